@@ -1,0 +1,79 @@
+# zeroshard developer entry points. Needs only python3 and make: every target that runs Python first
+# creates (or reuses) the virtualenv .venv and installs the project into it.
+#
+#   make demo     train the example GPT with ZeRO stage 2 on 2 CPU processes (gloo)
+#   make test     run the test suite
+#   make lint     ruff check, ruff format --check, mypy zeroshard
+#   make help     everything else
+
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# Pinned and installed before the project: an unpinned `torch` (or pyproject's `torch>=2.4` on its own)
+# would fetch a multi-GB CUDA build, while this version is a local CPU wheel here.
+TORCH_VERSION ?= 2.13.0
+PIP := $(PY) -m pip --quiet --disable-pip-version-check --no-input
+# Marks a finished install. Keyed on pyproject.toml's timestamp: editing the dependencies reinstalls, and
+# an unchanged tree skips pip entirely.
+STAMP := $(VENV)/.zeroshard-installed
+
+# Demo knobs: `make demo NPROC=1`, `make demo-stage3 DEMO_ARGS="--steps 20"`.
+NPROC ?= 2
+DEMO_ARGS ?=
+DEMO_STAGES := demo-stage0 demo-stage1 demo-stage2 demo-stage3
+PYTEST_ARGS ?=
+
+.PHONY: help install demo $(DEMO_STAGES) test lint format clean distclean
+
+help:
+	@echo "make demo          train examples/train_gpt.py, ZeRO stage 2, $(NPROC) processes (gloo on CPU)"
+	@echo "make demo-stageN   the same with examples/configs/zeroN.json, N in 0..3"
+	@echo "make test          pytest, with the 15 slowest tests' durations"
+	@echo "make lint          ruff check + ruff format --check + mypy zeroshard"
+	@echo "make format        ruff format + ruff check --fix"
+	@echo "make install       create $(VENV) and install torch==$(TORCH_VERSION) and zeroshard[dev] into it"
+	@echo "make clean         remove caches;  make distclean  also removes $(VENV)"
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): pyproject.toml | $(PY)
+	@echo "installing torch==$(TORCH_VERSION), then zeroshard[dev] (editable) into $(VENV)"
+	$(PIP) install "torch==$(TORCH_VERSION)"
+	@# torch repeated here so that resolving '.[dev]' can never swap it for another build.
+	$(PIP) install -e ".[dev]" "torch==$(TORCH_VERSION)"
+	@touch $@
+
+install: $(STAMP)
+
+demo: demo-stage2
+
+# Two processes on two cores: one intra-op thread each, or they fight over the cores.
+$(DEMO_STAGES): demo-stage%: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m torch.distributed.run --standalone --nproc_per_node $(NPROC) \
+		examples/train_gpt.py --deepspeed_config examples/configs/zero$*.json $(DEMO_ARGS)
+
+# pytest exits 5 when it collects no test; that is reported loudly but is not a failure of the run.
+test: $(STAMP)
+	@rc=0; $(PY) -m pytest --durations=15 $(PYTEST_ARGS) || rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests"; rc=0; fi; \
+	exit $$rc
+
+lint: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+	$(PY) -m mypy zeroshard
+
+format: $(STAMP)
+	$(PY) -m ruff format .
+	$(PY) -m ruff check --fix .
+
+clean:
+	rm -rf .pytest_cache .mypy_cache .ruff_cache build *.egg-info
+	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
+
+distclean: clean
+	rm -rf $(VENV)
