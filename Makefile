@@ -40,10 +40,10 @@ help:
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
+# torch is named again in the second install so that resolving '.[dev]' can never swap it for another build.
 $(STAMP): pyproject.toml | $(PY)
 	@echo "installing torch==$(TORCH_VERSION), then zeroshard[dev] (editable) into $(VENV)"
 	$(PIP) install "torch==$(TORCH_VERSION)"
-	@# torch repeated here so that resolving '.[dev]' can never swap it for another build.
 	$(PIP) install -e ".[dev]" "torch==$(TORCH_VERSION)"
 	@touch $@
 
