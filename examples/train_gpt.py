@@ -326,9 +326,9 @@ def main() -> None:
             micro_loss = engine(x, y)
             engine.backward(micro_loss)  # the engine divides by gradient_accumulation_steps
             window_loss += micro_loss.item()
-            stepped_before = engine.global_steps
-            engine.step()  # steps the optimizer and the scheduler only at an accumulation boundary
-            if engine.global_steps == stepped_before:
+            boundary = engine.is_gradient_accumulation_boundary()  # does this micro-batch end the window?
+            engine.step()  # steps the optimizer and the scheduler only at that boundary
+            if not boundary:
                 continue
 
             # One optimizer step done. Every rank must reach these collectives.
