@@ -1,0 +1,90 @@
+"""Spawn gloo worker processes for a test, with a timeout and the failing rank's traceback.
+
+Rendezvous is a ``file://`` in a fresh temporary directory (no ports, so no port races). Each worker gets
+``(rank, world_size, *args)``; whatever it returns comes back to the test, in rank order.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)
+
+
+def _entry(fn: Callable[..., Any], rank: int, world_size: int, init_file: str, args: tuple[Any, ...],
+           results: Any) -> None:
+    torch.set_num_threads(1)
+    os.environ.pop("WORLD_SIZE", None)  # workers join through the file rendezvous, not torchrun's env
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                                timeout=COLLECTIVE_TIMEOUT)
+        value = fn(rank, world_size, *args)
+        results.put((rank, "ok", value))
+    except BaseException:
+        results.put((rank, "error", traceback.format_exc()))
+        raise SystemExit(1) from None
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 240) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes; return their results.
+
+    Raises AssertionError carrying the first failing rank's traceback, prefixed with its rank, or naming the
+    ranks still running when ``timeout`` seconds have passed (they are killed).
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "rendezvous")
+        procs = [ctx.Process(target=_entry, args=(fn, r, world_size, init_file, args, results), daemon=True)
+                 for r in range(world_size)]
+        for p in procs:
+            p.start()
+        out: dict[int, Any] = {}
+        errors: list[tuple[int, str]] = []
+        deadline = time.monotonic() + timeout
+        while len(out) + len(errors) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                rank, status, value = results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                if all(not p.is_alive() for p in procs) and results.empty():
+                    break  # every worker exited; a crash before reporting shows as a missing rank
+                continue
+            if status == "ok":
+                out[rank] = value
+            else:
+                errors.append((rank, value))
+                deadline = min(deadline, time.monotonic() + 15)  # the others fail soon (timeouts)
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if errors:
+        rank, tb = errors[0]
+        raise AssertionError(f"rank {rank} of {world_size} failed:\n" + "".join(f"[rank {rank}] {line}\n"
+                                                                                 for line in tb.splitlines()))
+    if len(out) < world_size:
+        missing = sorted(set(range(world_size)) - set(out))
+        codes = {r: procs[r].exitcode for r in missing}
+        raise AssertionError(
+            f"ranks {missing} of {world_size} did not report within {timeout:.0f}s (exit codes {codes}; "
+            "None means still running when killed)"
+        )
+    return [out[r] for r in range(world_size)]

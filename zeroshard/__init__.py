@@ -1,0 +1,21 @@
+"""zeroshard: ZeRO data-parallel training for PyTorch with DeepSpeed's API and exact numerics."""
+
+from __future__ import annotations
+
+from zeroshard.build import initialize
+from zeroshard.config import ZeroshardConfig, add_config_arguments
+from zeroshard.dist import init_distributed
+from zeroshard.engine import ZeroshardEngine
+from zeroshard.memory import MemoryBreakdown
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "MemoryBreakdown",
+    "ZeroshardConfig",
+    "ZeroshardEngine",
+    "__version__",
+    "add_config_arguments",
+    "init_distributed",
+    "initialize",
+]

@@ -1,0 +1,220 @@
+"""``initialize()``: turn a model, an optimizer and a ds_config into a ready engine."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from zeroshard.comm import Comm
+from zeroshard.config import ZeroshardConfig, load_config, resolve_config_source
+from zeroshard.dist import init_distributed, local_rank
+from zeroshard.engine import ZeroshardEngine
+from zeroshard.flat_param import FlatUnit
+from zeroshard.grad_sync import Averaging, GradientReducer
+from zeroshard.optim_factory import build_optimizer
+from zeroshard.lr_schedules import build_scheduler
+from zeroshard.optimizer import ShardedStep, normalize_param_groups, reseat_optimizer, shard_param_groups
+from zeroshard.precision import FP32, DtypePolicy
+from zeroshard.stages import StagePlan, plan_for
+
+logger = logging.getLogger(__name__)
+
+OptimizerArg = torch.optim.Optimizer | Callable[[list[dict[str, Any]]], torch.optim.Optimizer] | None
+
+
+def initialize(
+    args: Any = None,
+    model: nn.Module | None = None,
+    optimizer: OptimizerArg = None,
+    model_parameters: Iterable[Any] | None = None,
+    training_data: Dataset[Any] | None = None,
+    lr_scheduler: Any = None,
+    mpu: Any = None,
+    dist_init_required: bool | None = None,
+    collate_fn: Callable[..., Any] | None = None,
+    config: dict[str, Any] | str | None = None,
+    config_params: dict[str, Any] | str | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> tuple[ZeroshardEngine, torch.optim.Optimizer | None, DataLoader[Any] | None, Any]:
+    """Wrap ``model`` for ZeRO training; DeepSpeed's ``deepspeed.initialize`` signature and return value.
+
+    Collective: call on all ranks of the data-parallel group (default: the whole world).
+
+    Returns:
+        ``(engine, optimizer, dataloader, lr_scheduler)``. ``optimizer`` is a torch optimizer over this
+        rank's shards (the client's own object, re-seated, when one was given); ``dataloader`` is None unless
+        ``training_data`` was given.
+    """
+    if model is None:
+        raise ValueError("initialize() needs model=: the torch.nn.Module to train")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"initialize(model=...) needs a torch.nn.Module, got {type(model).__name__}")
+    if mpu is not None:
+        raise ValueError("mpu= (model parallelism) is not supported by zeroshard: it is data parallel only")
+    if dist_init_required is not False:
+        init_distributed()
+    comm = Comm(group)
+    source = resolve_config_source(config, config_params, args)
+    client_opt = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
+    cfg = load_config(
+        source,
+        world_size=comm.world_size,
+        hidden_size=_hidden_size(model),
+        model_dtype=next((p.dtype for p in model.parameters()), None),
+        client_optimizer=client_opt,
+    )
+    plan = plan_for(cfg.zero_optimization.stage)
+    policy = _dtype_policy(cfg)
+    if comm.rank == 0:
+        logger.info("zeroshard config:\n%s", cfg.dump())
+
+    groups = normalize_param_groups(model, client_opt.param_groups if client_opt else model_parameters)
+    units = _build_units(model, cfg, plan, policy, comm)
+    _broadcast_from_rank0(model, units, comm)
+    sharded_groups, slices = shard_param_groups(groups, units)
+    opt = _build_optimizer(optimizer, cfg, sharded_groups, plan)
+    scheduler = _build_scheduler(lr_scheduler, cfg, opt)
+
+    reducer = GradientReducer(
+        units, comm, plan,
+        Averaging(comm.world_size, cfg.prescale_gradients, cfg.gradient_predivide_factor),
+        overlap_comm=cfg.zero_optimization.overlap_comm,
+    )
+    reducer.register_hooks()
+    engine = ZeroshardEngine(
+        model, config=cfg, plan=plan, comm=comm, units=units, reducer=reducer,
+        sharded_step=ShardedStep(units, slices, comm, plan), optimizer=opt, lr_scheduler=scheduler,
+        local_rank=local_rank(),
+    )
+    loader = _build_dataloader(training_data, cfg, comm, collate_fn)
+    return engine, opt, loader, scheduler
+
+
+def _hidden_size(model: nn.Module) -> int | None:
+    """The model's hidden size when it says (a Hugging Face config), for resolving "auto" bucket sizes."""
+    hf_config = getattr(model, "config", None)
+    for key in ("hidden_size", "d_model", "n_embd"):
+        value = getattr(hf_config, key, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def _dtype_policy(cfg: ZeroshardConfig) -> DtypePolicy:
+    if cfg.fp16.enabled or cfg.bf16.enabled:
+        raise ValueError(
+            "fp16.enabled / bf16.enabled: mixed precision is not available in this zeroshard version yet; "
+            "set both to false to train in fp32"
+        )
+    return FP32
+
+
+def _build_units(
+    model: nn.Module, cfg: ZeroshardConfig, plan: StagePlan, policy: DtypePolicy, comm: Comm
+) -> list[FlatUnit]:
+    """Group trainable parameters into units of at most ``reduce_bucket_size`` elements, in order.
+
+    A unit holds parameters of one dtype and device; frozen parameters stay where they are, untouched.
+    """
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    for name, p in named:
+        if p.dtype != torch.float32:
+            raise ValueError(
+                f"parameter {name!r} is {p.dtype}; fp32 training needs fp32 parameters (model.float()), "
+                "or enable bf16/fp16 in the config"
+            )
+    limit = max(1, cfg.zero_optimization.reduce_bucket_size)
+    shard_world = comm.world_size if plan.shard_optimizer else 1
+    shard_rank = comm.rank if plan.shard_optimizer else 0
+    units: list[FlatUnit] = []
+    current: list[tuple[str, nn.Parameter]] = []
+    size = 0
+
+    def close() -> None:
+        units.append(FlatUnit(len(units), [p for _, p in current], [n for n, _ in current],
+                              rank=shard_rank, world_size=shard_world, plan=plan, policy=policy))
+
+    for name, p in named:
+        if current and (size + p.numel() > limit or p.device != current[0][1].device):
+            close()
+            current, size = [], 0
+        current.append((name, p))
+        size += p.numel()
+    if current:
+        close()
+    return units
+
+
+def _broadcast_from_rank0(model: nn.Module, units: list[FlatUnit], comm: Comm) -> None:
+    """Start every rank from rank 0's parameters and buffers, as DeepSpeed does."""
+    if comm.world_size == 1:
+        return
+    tensors = [u.full for u in units]
+    in_units = {id(p) for u in units for p in u.params}
+    tensors += [p.data for p in model.parameters() if id(p) not in in_units]
+    tensors += [b for b in model.buffers()]
+    src = dist.get_global_rank(comm.group, 0) if comm.group is not None else 0
+    for t in tensors:
+        dist.broadcast(t, src=src, group=comm.group)
+    for u in units:
+        if u.master.data_ptr() != u.own_full_shard().data_ptr():
+            u.master.copy_(u.own_full_shard())
+
+
+def _build_optimizer(
+    optimizer: OptimizerArg, cfg: ZeroshardConfig, sharded_groups: list[dict[str, Any]], plan: StagePlan
+) -> torch.optim.Optimizer | None:
+    if isinstance(optimizer, torch.optim.Optimizer):
+        if cfg.optimizer is not None:
+            logger.warning("both a client optimizer and an 'optimizer' config block were given: using the client's")
+        if optimizer.state:
+            logger.warning("the client optimizer's existing state is discarded: zeroshard keeps state per shard")
+        reseat_optimizer(optimizer, sharded_groups)
+        return optimizer
+    if callable(optimizer):
+        built = optimizer(sharded_groups)
+        if not isinstance(built, torch.optim.Optimizer):
+            raise TypeError(f"optimizer= callable returned {type(built).__name__}, not a torch.optim.Optimizer")
+        return built
+    if optimizer is not None:
+        raise TypeError(
+            f"optimizer= must be a torch.optim.Optimizer or a callable params -> Optimizer, got "
+            f"{type(optimizer).__name__}"
+        )
+    if cfg.optimizer is None:
+        return None
+    return build_optimizer(cfg.optimizer.type, cfg.optimizer.params, sharded_groups, stage=plan.stage)
+
+
+def _build_scheduler(lr_scheduler: Any, cfg: ZeroshardConfig, opt: torch.optim.Optimizer | None) -> Any:
+    if lr_scheduler is not None and not callable(getattr(lr_scheduler, "step", None)) and callable(lr_scheduler):
+        if opt is None:
+            raise ValueError("lr_scheduler= callable needs an optimizer to be built first")
+        return lr_scheduler(opt)
+    if lr_scheduler is not None:
+        if cfg.scheduler is not None:
+            logger.warning("both a client lr_scheduler and a 'scheduler' config block were given: using the client's")
+        return lr_scheduler
+    if cfg.scheduler is None:
+        return None
+    if opt is None:
+        raise ValueError("scheduler: a 'scheduler' config block needs an optimizer (config 'optimizer' or optimizer=)")
+    return build_scheduler(cfg.scheduler.type, cfg.scheduler.params, opt)
+
+
+def _build_dataloader(
+    data: Dataset[Any] | None, cfg: ZeroshardConfig, comm: Comm, collate_fn: Callable[..., Any] | None
+) -> DataLoader[Any] | None:
+    if data is None:
+        return None
+    sampler = DistributedSampler(data, num_replicas=comm.world_size, rank=comm.rank, shuffle=True)
+    return DataLoader(
+        data, batch_size=cfg.train_micro_batch_size_per_gpu, sampler=sampler, collate_fn=collate_fn,
+        drop_last=cfg.dataloader_drop_last,
+    )

@@ -1,0 +1,64 @@
+"""Process-group set-up from torchrun's environment (never a launcher or transport of our own)."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+
+import torch
+import torch.distributed as dist
+
+from zeroshard.comm import DEFAULT_TIMEOUT
+
+logger = logging.getLogger(__name__)
+
+_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def default_backend() -> str:
+    """NCCL when CUDA is usable, gloo otherwise."""
+    return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+
+
+def local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def init_distributed(
+    dist_backend: str | None = None,
+    timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+    init_method: str | None = None,
+) -> bool:
+    """Join the process group that torchrun (or Slurm, via its exported variables) describes.
+
+    Reuses a process group that is already initialized. Without a launcher (no ``WORLD_SIZE`` in the
+    environment) it does nothing and training runs as world size 1. On CUDA it also selects the device of
+    ``LOCAL_RANK``.
+
+    Args:
+        dist_backend: "gloo" or "nccl"; default: NCCL on CUDA, gloo on CPU.
+        timeout: how long any collective may wait before it raises.
+        init_method: a rendezvous URL; default: torchrun's ``env://``.
+
+    Returns:
+        True when a process group is in use afterwards, False for world size 1 without one.
+    """
+    if dist.is_initialized():
+        return True
+    if "WORLD_SIZE" not in os.environ:
+        return False
+    missing = [v for v in _LAUNCHER_VARS if v not in os.environ]
+    if missing and init_method is None:
+        raise RuntimeError(
+            f"WORLD_SIZE is set but {', '.join(missing)} is not: start the script with "
+            "`torchrun --nproc_per_node N script.py` (or `zeroshard launch`), which sets all of them"
+        )
+    backend = dist_backend or default_backend()
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"dist_backend {backend!r} is not supported; expected 'gloo' or 'nccl'")
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank())
+    dist.init_process_group(backend=backend, init_method=init_method or "env://", timeout=timeout)
+    logger.info("initialized %s process group: rank %d of %d", backend, dist.get_rank(), dist.get_world_size())
+    return True

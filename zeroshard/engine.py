@@ -1,0 +1,207 @@
+"""The training engine: DeepSpeed's engine API over zeroshard's units, reducer and sharded step.
+
+A training step, as the user drives it::
+
+    loss = engine(batch)      # the module's forward, unchanged
+    engine.backward(loss)     # loss / gas; backward; gradients reduced per unit as they are ready
+    engine.step()             # at the accumulation boundary: clip, optimizer step, scheduler, all-gather
+
+The engine owns the bookkeeping of the loop (micro-steps, the accumulation boundary, counters, the
+scheduler); how units are laid out and reduced lives in ``flat_param``, ``grad_sync`` and ``optimizer``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from zeroshard.comm import Comm
+from zeroshard.config import ZeroshardConfig
+from zeroshard.flat_param import FlatUnit
+from zeroshard.grad_sync import GradientReducer
+from zeroshard.memory import MemoryBreakdown, optimizer_state_bytes, predict
+from zeroshard.optimizer import ShardedStep
+from zeroshard.stages import StagePlan
+
+logger = logging.getLogger(__name__)
+
+
+class ZeroshardEngine(nn.Module):
+    """Wraps a model for ZeRO data-parallel training. Build it with :func:`zeroshard.initialize`.
+
+    Collective: ``backward``, ``step`` (at the accumulation boundary) and ``memory_breakdown`` is local;
+    every rank of the data-parallel group must call ``backward`` and ``step`` the same number of times.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        config: ZeroshardConfig,
+        plan: StagePlan,
+        comm: Comm,
+        units: Sequence[FlatUnit],
+        reducer: GradientReducer,
+        sharded_step: ShardedStep,
+        optimizer: torch.optim.Optimizer | None,
+        lr_scheduler: Any | None,
+        local_rank: int,
+    ) -> None:
+        super().__init__()
+        self.module = module
+        self.config = config
+        self.plan = plan
+        self.comm = comm
+        self.units = list(units)
+        self.reducer = reducer
+        self.sharded_step = sharded_step
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.local_rank = local_rank
+        self.global_rank = comm.rank
+        self.world_size = comm.world_size
+        self.global_steps = 0
+        self.micro_steps = 0
+        self.global_samples = 0
+        self.skipped_steps = 0
+        self._grad_norm: float | None = None
+        self._backward_since_step = False
+        self._no_sync = False
+
+    # -- the loop ------------------------------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
+        """Backpropagate ``loss`` (divided by gradient_accumulation_steps) and reduce gradients.
+
+        Collective: call on all ranks, once per micro-batch.
+        """
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise ValueError(
+                f"backward() needs a scalar loss tensor, got {shape}; reduce it first, e.g. loss.mean()"
+            )
+        if not loss.requires_grad:
+            raise ValueError("backward() got a loss that does not require grad: was it computed under no_grad()?")
+        if scale_wrt_gas and self.config.gradient_accumulation_steps > 1:
+            loss = loss / self.config.gradient_accumulation_steps
+        # Reduce on the boundary micro-step (every micro-step when the stage shards gradients).
+        self.reducer.begin_backward(reduce=self.is_gradient_accumulation_boundary() and not self._no_sync)
+        loss.backward(retain_graph=retain_graph)
+        self.reducer.finish_backward()
+        self._backward_since_step = True
+        return loss
+
+    def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
+        """Count a micro-step; at the accumulation boundary, update the parameters.
+
+        Collective: call on all ranks, once per micro-batch, after ``backward``.
+        """
+        if not self._backward_since_step:
+            raise RuntimeError("step() was called before backward(): call engine.backward(loss) first")
+        if self.is_gradient_accumulation_boundary():
+            self._take_model_step(lr_kwargs)
+        self.micro_steps += 1
+        self._backward_since_step = False
+
+    def _take_model_step(self, lr_kwargs: dict[str, Any] | None) -> None:
+        if self.reducer.needs_reduction:
+            raise RuntimeError(
+                "step() at the accumulation boundary found gradients that were never reduced across ranks: "
+                "run the boundary micro-batch's backward() outside engine.no_sync()"
+            )
+        if self.optimizer is None:
+            raise RuntimeError("step() needs an optimizer: pass optimizer= to initialize() or an 'optimizer' block")
+        # Which parameters got a gradient anywhere: the others are skipped, as torch skips them.
+        self.sharded_step.attach_grads(self.reducer.global_has_grad())
+        self._grad_norm = self.sharded_step.grad_norm()
+        clip = self.config.gradient_clipping
+        if clip > 0:
+            # Same coefficient as torch.nn.utils.clip_grad_norm_.
+            coef = clip / (self._grad_norm + 1e-6)
+            if coef < 1.0:
+                self.sharded_step.scale_grads(coef)
+        self.optimizer.step()
+        self.sharded_step.detach_grads()
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step(**(lr_kwargs or {}))
+        self.sharded_step.gather_params()
+        self.reducer.zero_grad()
+        self.global_steps += 1
+        self.global_samples += self.config.train_batch_size
+
+    def zero_grad(self) -> None:
+        """Drop accumulated gradients (the engine already does this after each step)."""
+        self.reducer.zero_grad()
+        for p in self.module.parameters():
+            p.grad = None
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Skip gradient reduction for the backwards inside (stages 0 and 1 only)."""
+        if not self.plan.allows_no_sync:
+            raise RuntimeError(
+                f"no_sync() is not possible at ZeRO stage {self.plan.stage}: gradients are reduce-scattered "
+                "during every backward so that only a shard is kept; use stage 0 or 1, or rely on "
+                "gradient_accumulation_steps"
+            )
+        previous, self._no_sync = self._no_sync, True
+        try:
+            yield
+        finally:
+            self._no_sync = previous
+
+    # -- queries -------------------------------------------------------------------------------------
+    def zero_optimization_stage(self) -> int:
+        return self.plan.stage
+
+    def get_lr(self) -> list[float]:
+        if self.optimizer is None:
+            return []
+        return [float(g["lr"]) for g in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> float | None:
+        """The gradient norm of the last step, before clipping (None before the first step)."""
+        return self._grad_norm
+
+    def train_batch_size(self) -> int:
+        return self.config.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.config.train_micro_batch_size_per_gpu
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    def memory_breakdown(self) -> MemoryBreakdown:
+        """This rank's model-state bytes, measured from the tensors it holds, and the formula's prediction."""
+        held = [u.bytes_held() for u in self.units]
+        n = sum(u.numel for u in self.units)
+        policy = self.units[0].policy if self.units else None
+        compute_bytes = policy.compute.itemsize if policy else 4
+        grad_bytes = policy.accumulate.itemsize if policy else 4
+        master_copy = policy is not None and not policy.master_is_compute
+        return MemoryBreakdown(
+            stage=self.plan.stage,
+            world_size=self.world_size,
+            num_parameters=n,
+            parameters=sum(h["parameters"] for h in held),
+            gradients=sum(h["gradients"] for h in held),
+            optimizer_state=optimizer_state_bytes(self.optimizer) + sum(h["master"] for h in held),
+            communication_buffers=self.reducer.peak_bucket_bytes,
+            predicted=predict(n, self.world_size, self.plan.stage, compute_bytes=compute_bytes,
+                              grad_bytes=grad_bytes, master_copy=master_copy),
+        )
+
+    def communication_bytes(self) -> int:
+        """Bytes moved by model-state collectives since the engine was built (see comm.py)."""
+        return self.comm.stats.total_bytes

@@ -1,0 +1,218 @@
+"""Gradient reduction: per-unit buckets, accumulation over micro-steps, all-reduce or reduce-scatter.
+
+[Note: gradient flow]
+A post-accumulate-grad hook on every trainable parameter moves the gradient autograd produced into the
+parameter's unit and drops ``param.grad``, so autograd's full-size gradients never outlive one parameter.
+
+* Stages that keep full gradients (0, 1) add it into ``unit.grad_full``; on the backward of an accumulation
+  boundary, a unit whose parameters have all arrived is reduced (all-reduce at stage 0, reduce-scatter into
+  this rank's slice at stage 1) while backward goes on.
+* Stages that shard gradients (2, 3) copy it into a transient bucket the size of the unit; when the bucket is
+  complete it is reduce-scattered and this rank's slice is added into ``unit.grad_shard`` (fp32 accumulation
+  over micro-steps), and the bucket is dropped.
+
+Collectives must be issued in the same order on every rank even though gradients may become ready in a
+different order, or not at all (an unused parameter): units are launched in a fixed order (reverse
+registration order, which is roughly the order backward produces them), a ready unit waits for the units
+before it, and :meth:`GradientReducer.finish_backward` launches whatever is left. With ``overlap_comm`` the
+launched collectives run while backward continues and are waited for at the end of backward.
+
+Averaging follows DeepSpeed: with ``prescale_gradients`` gradients are divided by
+``gradient_predivide_factor`` before the reduction and by ``world_size / predivide`` after it; otherwise the
+sum is divided by ``world_size`` after it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch.utils.hooks import RemovableHandle
+
+from zeroshard.comm import Comm, Pending
+from zeroshard.flat_param import FlatUnit
+from zeroshard.stages import StagePlan
+
+
+@dataclass(frozen=True)
+class Averaging:
+    world_size: int
+    prescale: bool = False
+    predivide_factor: float = 1.0
+
+    @property
+    def before(self) -> float:
+        return 1.0 / self.predivide_factor if self.prescale else 1.0
+
+    @property
+    def after(self) -> float:
+        return self.predivide_factor / self.world_size if self.prescale else 1.0 / self.world_size
+
+
+class GradientReducer:
+    """Owns the gradient hooks and the reduction schedule of a list of units.
+
+    Collective: :meth:`finish_backward` and :meth:`global_has_grad` must be called on all ranks.
+    """
+
+    def __init__(
+        self,
+        units: Sequence[FlatUnit],
+        comm: Comm,
+        plan: StagePlan,
+        averaging: Averaging,
+        *,
+        overlap_comm: bool,
+    ) -> None:
+        self.units = list(units)
+        self.comm = comm
+        self.plan = plan
+        self.averaging = averaging
+        self.overlap_comm = overlap_comm
+        # Launch order: reverse registration order (see [Note: gradient flow]).
+        self._order = sorted(self.units, key=lambda u: -u.index)
+        self._position = {u.index: i for i, u in enumerate(self._order)}
+        self._arrived = [0] * len(self.units)
+        self._ready = [False] * len(self.units)
+        self._next = 0
+        self._buckets: dict[int, torch.Tensor] = {}
+        self._inflight: list[tuple[Pending, Callable[[], None]]] = []
+        self._reducing = False
+        self.needs_reduction = False  # gradients accumulated that no reduction has covered yet
+        self.peak_bucket_bytes = 0
+        self._handles: list[RemovableHandle] = []
+
+    # -- hooks ---------------------------------------------------------------------------------------
+    def register_hooks(self) -> None:
+        for unit in self.units:
+            for i, param in enumerate(unit.params):
+                self._handles.append(param.register_post_accumulate_grad_hook(self._make_hook(unit, i)))
+
+    def remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _make_hook(self, unit: FlatUnit, i: int) -> Callable[[torch.Tensor], None]:
+        def hook(param: torch.Tensor) -> None:
+            grad = param.grad
+            if grad is None:
+                return
+            param.grad = None
+            self._accumulate(unit, i, grad)
+
+        return hook
+
+    # -- one backward --------------------------------------------------------------------------------
+    def begin_backward(self, reduce: bool) -> None:
+        """Start a backward; ``reduce`` says whether this backward's gradients are reduced (boundary)."""
+        self._reducing = reduce or self.plan.reduce_every_micro_step
+        self._arrived = [0] * len(self.units)
+        self._ready = [False] * len(self.units)
+        self._next = 0
+
+    def _accumulate(self, unit: FlatUnit, i: int, grad: torch.Tensor) -> None:
+        lo, hi = unit.param_range(i)
+        flat = grad.reshape(-1)
+        if unit.grad_full is not None:
+            unit.grad_full[lo:hi].add_(flat)
+        else:
+            bucket = self._buckets.get(unit.index)
+            if bucket is None:
+                bucket = torch.zeros(unit.layout.padded, dtype=self.comm_dtype(unit), device=unit.full.device)
+                self._buckets[unit.index] = bucket
+                self._track_bucket_bytes()
+            bucket[lo:hi].copy_(flat)
+        unit.has_grad[i] = True
+        self.needs_reduction = True
+        self._arrived[unit.index] += 1
+        if self._reducing and self._arrived[unit.index] == len(unit.params):
+            self._ready[self._position[unit.index]] = True
+            self._launch_ready()
+
+    def comm_dtype(self, unit: FlatUnit) -> torch.dtype:
+        return unit.policy.reduce
+
+    def _track_bucket_bytes(self) -> None:
+        live = sum(b.numel() * b.element_size() for b in self._buckets.values())
+        self.peak_bucket_bytes = max(self.peak_bucket_bytes, live)
+
+    def _launch_ready(self) -> None:
+        while self._next < len(self._order) and self._ready[self._next]:
+            self._launch(self._order[self._next])
+            self._next += 1
+
+    def finish_backward(self) -> None:
+        """Reduce every unit not yet reduced in this backward and wait for all reductions.
+
+        Collective: call on all ranks after every backward.
+        """
+        if self._reducing:
+            while self._next < len(self._order):
+                self._launch(self._order[self._next])
+                self._next += 1
+            self.needs_reduction = False
+        self.wait_all()
+        self._reducing = False
+
+    def wait_all(self) -> None:
+        inflight, self._inflight = self._inflight, []
+        for pending, then in inflight:
+            pending.wait()
+            then()
+
+    # -- one unit's reduction ------------------------------------------------------------------------
+    def _launch(self, unit: FlatUnit) -> None:
+        before, after = self.averaging.before, self.averaging.after
+        what = f"gradient {self.plan.reduce_op} of unit {unit.index} ({unit.names[0]}, ...)"
+        if unit.grad_full is not None and not self.plan.shard_optimizer:
+            full = unit.grad_full
+            if before != 1.0:
+                full.mul_(before)
+            pending = self.comm.all_reduce(full, what=what)
+
+            def then() -> None:
+                full.mul_(after)
+
+        elif unit.grad_full is not None:
+            full = unit.grad_full
+            if before != 1.0:
+                full.mul_(before)
+            out = torch.empty_like(unit.grad_shard)
+            pending = self.comm.reduce_scatter(out, full, what=what)
+
+            def then() -> None:
+                unit.grad_shard.copy_(out).mul_(after)
+
+        else:
+            bucket = self._buckets.pop(unit.index, None)
+            if bucket is None:  # no parameter of this unit got a gradient on this rank
+                bucket = torch.zeros(unit.layout.padded, dtype=self.comm_dtype(unit), device=unit.full.device)
+            if before != 1.0:
+                bucket.mul_(before)
+            out = torch.empty(unit.layout.shard_size, dtype=bucket.dtype, device=bucket.device)
+            pending = self.comm.reduce_scatter(out, bucket, what=what)
+
+            def then() -> None:
+                unit.grad_shard.add_(out.to(unit.grad_shard.dtype), alpha=after)
+
+        self._inflight.append((pending, then))
+        if not self.overlap_comm:
+            self.wait_all()
+
+    # -- the accumulation boundary -------------------------------------------------------------------
+    def global_has_grad(self) -> list[torch.Tensor]:
+        """Per unit, which parameters got a gradient on any rank in any micro-step since the last zero.
+
+        Collective: call on all ranks.
+        """
+        flags = torch.cat([u.has_grad for u in self.units]) if self.units else torch.zeros(0, dtype=torch.bool)
+        merged = self.comm.any_true(flags)
+        return list(torch.split(merged, [len(u.params) for u in self.units]))
+
+    def zero_grad(self) -> None:
+        for unit in self.units:
+            unit.zero_grad()
+        self._buckets.clear()
+        self.needs_reduction = False

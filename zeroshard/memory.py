@@ -1,0 +1,93 @@
+"""Model-state bytes per rank: measured from the tensors held, and predicted by the ZeRO paper's formulas.
+
+[Note: ZeRO memory formulas]
+With N trainable parameters, W ranks, Adam (two state tensors per parameter) and fp32 master weights:
+
+=========  ==============  ===================  ======================  ==========
+stage      parameters      gradients            optimizer state         total
+=========  ==============  ===================  ======================  ==========
+0          c·N             c·N                  (K + m)·N               fp32: 16N
+1          c·N             c·N                  (K + m)·N/W             fp32: 8N + 8N/W
+2          c·N             g·N/W                (K + m)·N/W             fp32: 4N + 12N/W
+3          c·N/W           g·N/W                (K + m)·N/W             fp32: 16N/W
+=========  ==============  ===================  ======================  ==========
+
+c = bytes of the compute dtype, g = bytes of the gradient accumulation dtype, K = 8 (Adam's two fp32
+states) and m = 4 when a separate fp32 master copy is kept (mixed precision) else 0. For mixed-precision
+Adam (c = 2, m = 4) this gives the paper's 16N, 4N + 12N/W, 2N + 14N/W and 16N/W.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+ADAM_STATE_BYTES = 8
+
+
+@dataclass(frozen=True)
+class Predicted:
+    parameters: int
+    gradients: int
+    optimizer_state: int
+
+    @property
+    def total(self) -> int:
+        return self.parameters + self.gradients + self.optimizer_state
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """This rank's model-state bytes, measured from the tensors it holds, beside the formula's prediction.
+
+    ``optimizer_state`` includes the fp32 master copy when one is kept (as the paper's 12 bytes do).
+    ``communication_buffers`` is the peak of the transient gradient buckets seen so far.
+    """
+
+    stage: int
+    world_size: int
+    num_parameters: int
+    parameters: int
+    gradients: int
+    optimizer_state: int
+    communication_buffers: int
+    predicted: Predicted
+
+    @property
+    def total(self) -> int:
+        return self.parameters + self.gradients + self.optimizer_state + self.communication_buffers
+
+
+def predict(
+    num_parameters: int,
+    world_size: int,
+    stage: int,
+    *,
+    compute_bytes: int = 4,
+    grad_bytes: int = 4,
+    master_copy: bool = False,
+    state_bytes: int = ADAM_STATE_BYTES,
+) -> Predicted:
+    """The ZeRO formula for one rank (see [Note: ZeRO memory formulas])."""
+    n, w = num_parameters, world_size
+    opt = (state_bytes + (4 if master_copy else 0)) * n
+    return Predicted(
+        parameters=compute_bytes * n // (w if stage >= 3 else 1),
+        gradients=grad_bytes * n // (w if stage >= 2 else 1),
+        optimizer_state=opt // (w if stage >= 1 else 1),
+    )
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
+    """Bytes of every tensor in the optimizer's state (shared storage counted once)."""
+    if optimizer is None:
+        return 0
+    seen: set[int] = set()
+    total = 0
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() not in seen:
+                seen.add(value.untyped_storage().data_ptr())
+                total += value.numel() * value.element_size()
+    return total

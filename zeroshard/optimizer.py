@@ -1,0 +1,146 @@
+"""The sharded optimizer step: build groups over shards, clip, step, all-gather the updated shards.
+
+[Note: optimizer over slices]
+The torch optimizer never sees the model's parameters. It sees, per parameter, the 1-D slice of this rank's
+master shard that belongs to it (see ``flat_param.OptimizerSlice``), in the same param group as the
+parameter. Every elementwise optimizer (Adam, AdamW, SGD, Adagrad, ...) then computes exactly what it would
+on the whole parameter, each slice keeps its own state and step count, and a slice whose parameter got no
+gradient anywhere gets ``grad = None`` and is skipped exactly as torch skips it: no weight decay drift on
+unused parameters. Because the groups hold the slices, a scheduler or a user editing
+``optimizer.param_groups`` edits what the shards are stepped with.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from zeroshard.comm import Comm
+from zeroshard.flat_param import FlatUnit, OptimizerSlice
+from zeroshard.stages import StagePlan
+
+
+def normalize_param_groups(
+    model: nn.Module, params: Iterable[Any] | None
+) -> list[dict[str, Any]]:
+    """Turn ``model_parameters`` (params, named params or group dicts) into group dicts of the model's params.
+
+    Raises:
+        ValueError: a parameter that is not one of the model's, or one listed twice.
+    """
+    if params is None:
+        raw: list[Any] = [{"params": list(model.parameters())}]
+    else:
+        items = list(params)
+        if items and isinstance(items[0], Mapping):
+            raw = [dict(g) for g in items]
+        else:
+            raw = [{"params": items}]
+    owned = {id(p): name for name, p in model.named_parameters()}
+    seen: set[int] = set()
+    groups: list[dict[str, Any]] = []
+    for gi, group in enumerate(raw):
+        plist = group["params"]
+        plist = [plist] if isinstance(plist, torch.Tensor) else list(plist)
+        plist = [p[1] if isinstance(p, tuple) else p for p in plist]
+        for p in plist:
+            if id(p) not in owned:
+                raise ValueError(
+                    f"model_parameters group {gi}: a tensor of shape {tuple(p.shape)} is not a parameter of "
+                    "the model given to initialize(); pass model.parameters() or groups built from them"
+                )
+            if id(p) in seen:
+                raise ValueError(f"model_parameters: parameter {owned[id(p)]!r} appears in more than one group")
+            seen.add(id(p))
+        groups.append({**group, "params": plist})
+    return groups
+
+
+def shard_param_groups(
+    groups: Sequence[Mapping[str, Any]], units: Sequence[FlatUnit]
+) -> tuple[list[dict[str, Any]], list[OptimizerSlice]]:
+    """Replace each group's parameters by this rank's slices of them (see [Note: optimizer over slices]).
+
+    Trainable parameters that no group names are left out of the optimizer (they keep their values), as a
+    torch optimizer would leave them.
+    """
+    group_of = {id(p): gi for gi, g in enumerate(groups) for p in g["params"]}
+    sharded = [{**{k: v for k, v in g.items() if k != "params"}, "params": []} for g in groups]
+    slices: list[OptimizerSlice] = []
+    for unit in units:
+        for sl in unit.optimizer_slices():
+            gi = group_of.get(id(sl.param))
+            if gi is None:
+                continue
+            sharded[gi]["params"].append(sl.master)
+            slices.append(sl)
+    return sharded, slices
+
+
+def reseat_optimizer(optimizer: torch.optim.Optimizer, sharded_groups: Sequence[dict[str, Any]]) -> None:
+    """Point a client optimizer's groups at the shard slices, keeping its class and hyperparameters.
+
+    The groups stay the same dict objects, so a scheduler already built on this optimizer keeps working.
+    """
+    if len(optimizer.param_groups) != len(sharded_groups):
+        raise ValueError(
+            f"the client optimizer has {len(optimizer.param_groups)} param groups but {len(sharded_groups)} "
+            "were derived from it"
+        )
+    for group, sharded in zip(optimizer.param_groups, sharded_groups, strict=True):
+        group["params"] = sharded["params"]
+    optimizer.state.clear()
+
+
+class ShardedStep:
+    """Attaches reduced gradient shards to the optimizer's slices and runs one step.
+
+    Collective: :meth:`grad_norm` (sharded stages) and :meth:`gather_params` must be called on all ranks.
+    """
+
+    def __init__(self, units: Sequence[FlatUnit], slices: Sequence[OptimizerSlice], comm: Comm,
+                 plan: StagePlan) -> None:
+        self.units = list(units)
+        self.slices = list(slices)
+        self.comm = comm
+        self.plan = plan
+
+    def attach_grads(self, has_grad: Sequence[torch.Tensor]) -> None:
+        """Give each slice its gradient, or None where no rank produced one for its parameter."""
+        by_unit = {u.index: flags for u, flags in zip(self.units, has_grad, strict=True)}
+        for sl in self.slices:
+            sl.master.grad = sl.grad if bool(by_unit[sl.unit.index][sl.piece.index]) else None
+
+    def detach_grads(self) -> None:
+        for sl in self.slices:
+            sl.master.grad = None
+
+    def grad_norm(self) -> float:
+        """Global L2 norm of the reduced gradients (one all-reduce when gradients are sharded)."""
+        local = torch.zeros((), dtype=torch.float64)
+        for unit in self.units:
+            local += unit.grad_shard.double().pow(2).sum()
+        if self.plan.shard_optimizer:
+            local = self.comm.sum_scalar(local, what="gradient-norm all_reduce")
+        return math.sqrt(float(local))
+
+    def scale_grads(self, factor: float) -> None:
+        for unit in self.units:
+            unit.grad_shard.mul_(factor)
+
+    def gather_params(self) -> None:
+        """Copy stepped masters into the full parameters; all-gather them where shards differ per rank."""
+        for unit in self.units:
+            unit.copy_master_to_full()
+        if not self.plan.gather_after_step:
+            return
+        pendings = [
+            self.comm.all_gather(u.full, u.own_full_shard(), what=f"parameter all_gather of unit {u.index}")
+            for u in self.units
+        ]
+        for pending in pendings:
+            pending.wait()
