@@ -238,9 +238,9 @@ def memory_table(engine: Any) -> str | None:
 
     cols = ["params", "grads", "optimizer state", "comm buffers", "total"]
     lines = [
-        f"memory per rank after step 1, MiB: measured (ZeRO prediction); stage {stage}, W={w}, "
-        f"N={n:,} trainable parameters, fp32 Adam model states = {ZERO_FORMULA[stage]} = "
-        f"{zero_formula_bytes(stage, n, w) / MIB:.2f} MiB",
+        f"memory per rank after step 1, MiB measured (ZeRO prediction): stage {stage}, W={w}, N={n:,}",
+        f"fp32 Adam model states = {ZERO_FORMULA[stage]} = {zero_formula_bytes(stage, n, w) / MIB:.2f} MiB; "
+        "comm buffers = peak of the transient gradient buckets",
         "rank | " + " | ".join(f"{c:>16}" for c in cols),
     ]
     for rank, r in enumerate(rows):
@@ -297,9 +297,9 @@ def main() -> None:
         print(
             f"zeroshard stage {engine.zero_optimization_stage()}, world size {engine.world_size}, "
             f"{sum(p.numel() for p in model.parameters()):,} parameters, "
-            f"{tokens_per_step:,} tokens per optimizer step (gradient accumulation {gas}); "
-            f"loss starts near ln({cfg.vocab_size}) = {math.log(cfg.vocab_size):.2f}, "
-            f"floor ≈ {dataset.entropy:.2f}",
+            f"{tokens_per_step:,} tokens per optimizer step (gradient accumulation {gas})\n"
+            f"loss starts near ln({cfg.vocab_size}) = {math.log(cfg.vocab_size):.2f}; "
+            f"the data's entropy, the floor, is {dataset.entropy:.2f}",
             flush=True,
         )
 
@@ -327,6 +327,7 @@ def main() -> None:
             engine.backward(micro_loss)  # the engine divides by gradient_accumulation_steps
             window_loss += micro_loss.item()
             boundary = engine.is_gradient_accumulation_boundary()  # does this micro-batch end the window?
+            lr = first_lr(engine)  # the rate this step applies; the scheduler moves it inside step()
             engine.step()  # steps the optimizer and the scheduler only at that boundary
             if not boundary:
                 continue
@@ -339,7 +340,7 @@ def main() -> None:
             if first_loss is None:
                 first_loss = loss
             line = (
-                f"step {step:4d}/{args.steps} | loss {loss:.4f} | lr {first_lr(engine):.2e} | "
+                f"step {step:4d}/{args.steps} | loss {loss:.4f} | lr {lr:.2e} | "
                 f"grad norm {fmt_norm(engine.get_global_grad_norm())} | "
                 f"{tokens_per_step / elapsed:,.0f} tok/s"
             )
