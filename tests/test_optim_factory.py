@@ -1,0 +1,556 @@
+"""Tests for zeroshard.optim_factory and zeroshard.optimizers (no processes needed)."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+from typing import Any
+
+import pytest
+import torch
+
+from zeroshard.optim_factory import build_optimizer, rebuild_optimizer
+from zeroshard.optimizers import DeepSpeedAdam, Lamb, Lion
+
+# ---------------------------------------------------------------------------------------------
+# Helpers
+
+
+def _groups(*sizes: int) -> list[dict[str, Any]]:
+    """One param group of 1-D leaf tensors that do not require grad, like the engine's slices."""
+    return [{"params": [torch.randn(n) for n in sizes]}]
+
+
+def _set_grads(params: list[torch.Tensor], seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen)
+
+
+# ---------------------------------------------------------------------------------------------
+# Type and parameter mapping
+
+
+@pytest.mark.parametrize(
+    ("type_name", "params", "expected_cls", "expected"),
+    [
+        ("Adam", {}, torch.optim.AdamW, {"weight_decay": 0.0, "lr": 1e-3, "amsgrad": False}),
+        ("adam", {"adam_w_mode": True, "weight_decay": 0.1}, torch.optim.AdamW, {"weight_decay": 0.1}),
+        ("Adam", {"adam_w_mode": False, "weight_decay": 0.1}, torch.optim.Adam, {"weight_decay": 0.1}),
+        ("AdamW", {}, torch.optim.AdamW, {"weight_decay": 0.0}),
+        ("ADAMW", {"lr": 3e-4, "betas": [0.8, 0.95]}, torch.optim.AdamW, {"lr": 3e-4, "betas": (0.8, 0.95)}),
+        ("Adam", {"torch_adam": True}, torch.optim.AdamW, {"weight_decay": 0.01}),
+        ("Adam", {"torch_adam": True, "adam_w_mode": False}, torch.optim.Adam, {"weight_decay": 0}),
+        (
+            "Adam",
+            {"amsgrad": True, "fused": True, "set_grad_none": True},
+            torch.optim.AdamW,
+            {"amsgrad": True},
+        ),
+        ("Adam", {"bias_correction": False}, DeepSpeedAdam, {"bias_correction": False, "adam_w_mode": True}),
+        (
+            "Adam",
+            {"bias_correction": False, "adam_w_mode": False, "weight_decay": 0.1},
+            DeepSpeedAdam,
+            {"adam_w_mode": False, "weight_decay": 0.1},
+        ),
+        (
+            "SGD",
+            {"lr": 0.1, "momentum": 0.9, "nesterov": True},
+            torch.optim.SGD,
+            {"momentum": 0.9, "nesterov": True},
+        ),
+        ("Adagrad", {"lr": 0.05}, torch.optim.Adagrad, {"lr": 0.05, "eps": 1e-10}),
+        ("RMSprop", {"alpha": 0.9}, torch.optim.RMSprop, {"alpha": 0.9, "lr": 0.01}),
+        ("rmsprop", {}, torch.optim.RMSprop, {}),
+        ("Adamax", {}, torch.optim.Adamax, {"lr": 0.002}),
+        ("NAdam", {}, torch.optim.NAdam, {}),
+        ("RAdam", {}, torch.optim.RAdam, {}),
+        ("ASGD", {"t0": 10}, torch.optim.ASGD, {"t0": 10}),
+        ("Rprop", {"etas": [0.4, 1.3]}, torch.optim.Rprop, {"etas": (0.4, 1.3)}),
+        ("Adadelta", {}, torch.optim.Adadelta, {"lr": 1.0}),
+        ("Lamb", {"max_coeff": 5.0}, Lamb, {"max_coeff": 5.0, "min_coeff": 0.01, "weight_decay": 0.0}),
+        ("lion", {"betas": [0.9, 0.99]}, Lion, {"betas": (0.9, 0.99), "lr": 1e-3, "weight_decay": 0.0}),
+    ],
+)
+def test_type_mapping(
+    type_name: str, params: dict[str, Any], expected_cls: type, expected: dict[str, Any]
+) -> None:
+    opt = build_optimizer(type_name, params, _groups(3), stage=0)
+    assert type(opt) is expected_cls
+    for key, value in expected.items():
+        assert opt.defaults[key] == value, key
+    if "betas" in opt.defaults:
+        assert isinstance(opt.defaults["betas"], tuple)
+
+
+def test_adamw_ignores_adam_w_mode_false_with_warning(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="zeroshard.optim_factory"):
+        opt = build_optimizer("AdamW", {"adam_w_mode": False}, _groups(3), stage=2)
+    assert type(opt) is torch.optim.AdamW
+    assert "adam_w_mode=false is ignored" in caplog.text
+
+
+def test_per_group_hyperparameters_override_config() -> None:
+    groups: list[dict[str, Any]] = [
+        {"params": [torch.zeros(2)]},
+        {"params": [torch.zeros(2)], "lr": 0.5, "weight_decay": 0.0},
+    ]
+    opt = build_optimizer("AdamW", {"lr": 0.1, "weight_decay": 0.2}, groups, stage=1)
+    assert [g["lr"] for g in opt.param_groups] == [0.1, 0.5]
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.2, 0.0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors
+
+
+@pytest.mark.parametrize(
+    ("type_name", "params", "stage", "error", "fragments"),
+    [
+        ("Adamm", {}, 0, ValueError, ["optimizer.type", "'Adamm'", "did you mean 'Adam'", "AdamW", "SGD"]),
+        ("Lamp", {}, 0, ValueError, ["did you mean 'Lamb'"]),
+        (
+            "Adam",
+            {"weight_dacay": 0.1},
+            0,
+            ValueError,
+            [
+                "optimizer.params.weight_dacay",
+                "AdamW",
+                "did you mean 'weight_decay'",
+                "Accepted keys",
+                "betas",
+            ],
+        ),
+        (
+            "SGD",
+            {"momentun": 0.9},
+            0,
+            ValueError,
+            ["optimizer.params.momentun", "torch.optim.SGD", "'momentum'"],
+        ),
+        ("Lamb", {"min_coef": 0.1}, 0, ValueError, ["optimizer.params.min_coef", "Lamb", "'min_coeff'"]),
+        ("LBFGS", {}, 0, ValueError, ["'LBFGS' is not available", "closure", "Available"]),
+        ("SparseAdam", {}, 0, ValueError, ["'SparseAdam' is not available", "sparse"]),
+        ("Adafactor", {}, 0, ValueError, ["'Adafactor' is not available", "1-D"]),
+        ("OneBitAdam", {}, 0, ValueError, ["'OneBitAdam' is not available", "Available: Adam"]),
+        ("ZeroOneAdam", {}, 0, ValueError, ["'ZeroOneAdam' is not available"]),
+        ("OneBitLamb", {}, 0, ValueError, ["'OneBitLamb' is not available"]),
+        ("Muon", {}, 0, ValueError, ["'Muon' is not available"]),
+        ("MuAdamW", {}, 0, ValueError, ["'MuAdamW' is not available", "mup"]),
+        ("Lamb", {}, 1, ValueError, ["whole-parameter norms", "stage 1", "stage 0", "AdamW"]),
+        ("Lamb", {}, 3, ValueError, ["whole-parameter norms", "stage 3"]),
+        (
+            "Adam",
+            {"max_grad_norm": 1.0},
+            0,
+            ValueError,
+            ["optimizer.params.max_grad_norm", "gradient_clipping"],
+        ),
+        ("Adam", {"lr": "auto"}, 0, TypeError, ["optimizer.params.lr", "number", "'auto'"]),
+        ("Adam", {"betas": [0.9]}, 0, TypeError, ["optimizer.params.betas", "2 values"]),
+        ("Adam", {"betas": [0.9, "x"]}, 0, TypeError, ["optimizer.params.betas[1]"]),
+        ("Adam", {"adam_w_mode": "yes"}, 0, TypeError, ["optimizer.params.adam_w_mode", "true or false"]),
+        ("SGD", {"nesterov": 1}, 0, TypeError, ["optimizer.params.nesterov"]),
+        ("SGD", {"lr": True}, 0, TypeError, ["optimizer.params.lr"]),
+        ("SGD", {"lr": -1.0}, 0, ValueError, ["optimizer.params", "SGD", "Invalid learning rate"]),
+        ("Adam", {"bias_correction": False, "amsgrad": True}, 0, ValueError, ["optimizer.params.amsgrad"]),
+        (
+            "Adam",
+            {"bias_correction": False, "torch_adam": True},
+            0,
+            ValueError,
+            ["bias_correction", "torch_adam"],
+        ),
+        ("Adam", {"bias_correction": False, "maximize": True}, 0, ValueError, ["optimizer.params.maximize"]),
+        ("Lamb", {"amsgrad": True}, 0, ValueError, ["optimizer.params.amsgrad"]),
+        ("Adam", {}, 4, ValueError, ["zero_optimization.stage", "4"]),
+        (3, {}, 0, TypeError, ["optimizer.type"]),
+    ],
+)
+def test_errors(
+    type_name: Any, params: dict[str, Any], stage: int, error: type[Exception], fragments: list[str]
+) -> None:
+    with pytest.raises(error) as info:
+        build_optimizer(type_name, params, _groups(3), stage=stage)
+    for fragment in fragments:
+        assert fragment in str(info.value), (fragment, str(info.value))
+
+
+def test_lamb_is_allowed_at_stage_0() -> None:
+    assert isinstance(build_optimizer("Lamb", {}, _groups(3), stage=0), Lamb)
+
+
+# ---------------------------------------------------------------------------------------------
+# Hand-written references for zeroshard's own optimizers
+
+
+def _reference_ds_adam(
+    p: torch.Tensor,
+    grads: list[torch.Tensor],
+    *,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    wd: float,
+    bias_correction: bool,
+    decoupled: bool,
+) -> torch.Tensor:
+    """DeepSpeed FusedAdam's update, one element-wise formula per line, one parameter."""
+    p = p.clone()
+    m = torch.zeros_like(p)
+    v = torch.zeros_like(p)
+    b1, b2 = betas
+    for t, g in enumerate(grads, start=1):
+        if not decoupled:
+            g = g + wd * p
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * g * g
+        c1 = 1 - b1**t if bias_correction else 1.0
+        c2 = 1 - b2**t if bias_correction else 1.0
+        update = (m / c1) / ((v / c2).sqrt() + eps)
+        if decoupled:
+            update = update + wd * p
+        p = p - lr * update
+    return p
+
+
+def _reference_lamb(
+    p: torch.Tensor,
+    grads: list[torch.Tensor],
+    *,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    wd: float,
+    bias_correction: bool,
+    min_coeff: float,
+    max_coeff: float,
+    eps_inside: bool,
+) -> torch.Tensor:
+    """DeepSpeed FusedLamb's update for one whole parameter."""
+    p = p.clone()
+    m = torch.zeros_like(p)
+    v = torch.zeros_like(p)
+    b1, b2 = betas
+    for t, g in enumerate(grads, start=1):
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * g * g
+        m_hat = m / (1 - b1**t) if bias_correction else m
+        v_hat = v / (1 - b2**t) if bias_correction else v
+        denom = (v_hat + eps).sqrt() if eps_inside else v_hat.sqrt() + eps
+        update = m_hat / denom + wd * p
+        w_norm = torch.linalg.vector_norm(p).item()
+        u_norm = torch.linalg.vector_norm(update).item()
+        coeff = min(max(w_norm / u_norm, min_coeff), max_coeff) if w_norm > 0 and u_norm > 0 else 1.0
+        p = p - lr * coeff * update
+    return p
+
+
+def _reference_lion(
+    p: torch.Tensor, grads: list[torch.Tensor], *, lr: float, betas: tuple[float, float], wd: float
+) -> torch.Tensor:
+    p = p.clone()
+    m = torch.zeros_like(p)
+    b1, b2 = betas
+    for g in grads:
+        c = b1 * m + (1 - b1) * g
+        p = p * (1 - lr * wd) - lr * torch.sign(c)
+        m = b2 * m + (1 - b2) * g
+    return p
+
+
+def _run(opt_params: list[torch.Tensor], opt: torch.optim.Optimizer, grads: list[list[torch.Tensor]]) -> None:
+    for step_grads in grads:
+        for p, g in zip(opt_params, step_grads, strict=True):
+            p.grad = g.clone()
+        opt.step()
+
+
+def _random_run(
+    sizes: tuple[int, ...], steps: int, seed: int = 0
+) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
+    gen = torch.Generator().manual_seed(seed)
+    init = [torch.randn(n, generator=gen) for n in sizes]
+    grads = [[torch.randn(n, generator=gen) for n in sizes] for _ in range(steps)]
+    return init, grads
+
+
+@pytest.mark.parametrize("decoupled", [True, False])
+@pytest.mark.parametrize("bias_correction", [False, True])
+def test_deepspeed_adam_matches_reference(decoupled: bool, bias_correction: bool) -> None:
+    init, grads = _random_run((7, 15), steps=5)
+    params = [t.clone() for t in init]
+    config: dict[str, Any] = {"lr": 0.01, "betas": [0.8, 0.95], "eps": 1e-6, "weight_decay": 0.1}
+    config |= {"bias_correction": bias_correction, "adam_w_mode": decoupled}
+    if bias_correction:  # build_optimizer picks torch's class then; test ours directly too
+        opt: torch.optim.Optimizer = DeepSpeedAdam(params, **{**config, "betas": (0.8, 0.95)})
+    else:
+        opt = build_optimizer("Adam", config, [{"params": params}], stage=2)
+        assert isinstance(opt, DeepSpeedAdam)
+    _run(params, opt, grads)
+    for i, p in enumerate(params):
+        expected = _reference_ds_adam(
+            init[i], [g[i] for g in grads], lr=0.01, betas=(0.8, 0.95), eps=1e-6, wd=0.1,
+            bias_correction=bias_correction, decoupled=decoupled,
+        )  # fmt: skip
+        torch.testing.assert_close(p, expected, rtol=1e-6, atol=1e-7)
+
+
+def test_deepspeed_adam_with_bias_correction_tracks_torch_adamw() -> None:
+    init, grads = _random_run((11,), steps=6)
+    ours, theirs = [init[0].clone()], [init[0].clone()]
+    _run(ours, DeepSpeedAdam(ours, lr=0.01, weight_decay=0.1), grads)
+    _run(theirs, torch.optim.AdamW(theirs, lr=0.01, weight_decay=0.1), grads)
+    torch.testing.assert_close(ours[0], theirs[0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        {"max_coeff": 0.3},  # clamps the trust ratio down
+        {"min_coeff": 3.0, "max_coeff": 10.0},  # clamps it up
+        {"bias_correction": False, "weight_decay": 0.0},
+        {"eps_inside_sqrt": True, "eps": 1e-3},
+    ],
+)
+def test_lamb_matches_reference(overrides: dict[str, Any]) -> None:
+    config: dict[str, Any] = {"lr": 0.01, "betas": [0.9, 0.99], "eps": 1e-8, "weight_decay": 0.01} | overrides
+    init, grads = _random_run((7, 45, 4), steps=5)
+    init[2] = torch.zeros(4)  # ||p|| == 0 on the first step: trust ratio 1
+    params = [t.clone() for t in init]
+    opt = build_optimizer("Lamb", config, [{"params": params}], stage=0)
+    _run(params, opt, grads)
+    for i, p in enumerate(params):
+        expected = _reference_lamb(
+            init[i], [g[i] for g in grads], lr=0.01, betas=(0.9, 0.99), eps=config["eps"],
+            wd=config["weight_decay"], bias_correction=config.get("bias_correction", True),
+            min_coeff=config.get("min_coeff", 0.01), max_coeff=config.get("max_coeff", 10.0),
+            eps_inside=config.get("eps_inside_sqrt", False),
+        )  # fmt: skip
+        torch.testing.assert_close(p, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_lion_matches_reference() -> None:
+    init, grads = _random_run((9, 4), steps=5)
+    params = [t.clone() for t in init]
+    opt = build_optimizer(
+        "Lion", {"lr": 0.01, "betas": [0.9, 0.99], "weight_decay": 0.1}, [{"params": params}], stage=1
+    )
+    _run(params, opt, grads)
+    for i, p in enumerate(params):
+        expected = _reference_lion(init[i], [g[i] for g in grads], lr=0.01, betas=(0.9, 0.99), wd=0.1)
+        torch.testing.assert_close(p, expected, rtol=1e-6, atol=1e-7)
+
+
+# ---------------------------------------------------------------------------------------------
+# Parameters without gradient are skipped
+
+_EVERY_SUPPORTED = [
+    ("Adam", {"weight_decay": 0.1}),
+    ("Adam", {"adam_w_mode": False, "weight_decay": 0.1}),
+    ("Adam", {"bias_correction": False, "weight_decay": 0.1}),
+    ("SGD", {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.1}),
+    ("Adagrad", {"weight_decay": 0.1}),
+    ("RMSprop", {"momentum": 0.9, "centered": True}),
+    ("Adamax", {}),
+    ("NAdam", {}),
+    ("RAdam", {}),
+    ("ASGD", {"weight_decay": 0.1}),
+    ("Rprop", {}),
+    ("Adadelta", {"weight_decay": 0.1}),
+    ("Lamb", {"weight_decay": 0.1}),
+    ("Lion", {"weight_decay": 0.1}),
+]
+
+
+@pytest.mark.parametrize(("type_name", "params"), _EVERY_SUPPORTED)
+def test_params_without_grad_are_skipped(type_name: str, params: dict[str, Any]) -> None:
+    frozen, trained = torch.randn(5), torch.randn(6)
+    before = frozen.clone()
+    opt = build_optimizer(type_name, params, [{"params": [frozen, trained]}], stage=0)
+    state_before = copy.deepcopy(opt.state.get(frozen))
+    for seed in range(3):
+        _set_grads([trained], seed)
+        opt.step()
+    assert torch.equal(frozen, before)
+    state_after = opt.state.get(frozen)
+    if state_before is None:
+        assert not state_after
+    else:
+        assert state_after is not None and state_before.keys() == state_after.keys()
+        for key, value in state_before.items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(state_after[key])), key
+    assert not torch.equal(trained, torch.zeros(6))
+
+
+# ---------------------------------------------------------------------------------------------
+# The property the engine relies on: stepping 1-D slices of one flat buffer gives bitwise the
+# same values as stepping the original shaped parameters.
+
+_SHAPES = [(7,), (15, 3), (3, 5, 2), (4,), (257, 131), (1,)]  # (257, 131) crosses torch's CPU grain
+_FROZEN = 3  # index of a parameter that never gets a gradient
+_SOMETIMES = 0  # index of a parameter without gradient on step 1
+
+_BITWISE_CASES = [
+    *_EVERY_SUPPORTED,
+    ("AdamW", {"amsgrad": True, "weight_decay": 0.01}),
+    ("Adam", {"bias_correction": False, "adam_w_mode": False, "weight_decay": 0.1}),
+    ("SGD", {"lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 0.01}),
+    ("SGD", {"lr": 0.1, "momentum": 0.9, "foreach": True}),
+    ("Adam", {"torch_adam": True, "foreach": True}),
+    ("Adagrad", {"lr": 0.1, "lr_decay": 0.01, "fused": True}),
+    ("ASGD", {"t0": 1}),  # averaging starts at once
+]
+
+
+def _shaped_and_grads(steps: int) -> tuple[list[torch.Tensor], list[list[torch.Tensor | None]]]:
+    gen = torch.Generator().manual_seed(1)
+    init = [torch.randn(shape, generator=gen) for shape in _SHAPES]
+    grads: list[list[torch.Tensor | None]] = []
+    for step in range(steps):
+        row: list[torch.Tensor | None] = [torch.randn(shape, generator=gen) for shape in _SHAPES]
+        row[_FROZEN] = None
+        if step == 1:
+            row[_SOMETIMES] = None
+        grads.append(row)
+    return init, grads
+
+
+def _flat_slices(world_size: int) -> list[list[tuple[int, int, int]]]:
+    """Per rank, (param index, start, end) in the flat buffer; world_size 0 = whole parameters."""
+    numels = [math.prod(shape) for shape in _SHAPES]
+    offsets = [sum(numels[:i]) for i in range(len(numels) + 1)]
+    if world_size == 0:
+        return [[(i, offsets[i], offsets[i + 1]) for i in range(len(numels))]]
+    shard = -(-offsets[-1] // world_size)  # padded shard size
+    ranks = []
+    for rank in range(world_size):
+        low, high = rank * shard, (rank + 1) * shard
+        ranks.append(
+            [(i, max(low, offsets[i]), min(high, offsets[i + 1])) for i in range(len(numels))
+             if max(low, offsets[i]) < min(high, offsets[i + 1])]
+        )  # fmt: skip
+    return ranks
+
+
+@pytest.mark.parametrize(
+    ("type_name", "params", "world_size"),
+    [
+        (type_name, params, world_size)
+        for type_name, params in _BITWISE_CASES
+        for world_size in ([0] if type_name == "Lamb" else [0, 2, 3])  # Lamb: whole parameters only
+    ],
+)
+def test_flat_slices_step_bitwise_like_shaped_params(
+    type_name: str, params: dict[str, Any], world_size: int
+) -> None:
+    """world_size 0: one view per whole parameter (stage 0); else each rank's padded shard."""
+    steps = 4
+    init, grads = _shaped_and_grads(steps)
+
+    shaped = [t.clone() for t in init]
+    reference = build_optimizer(type_name, params, [{"params": shaped}], stage=0)
+
+    flat = torch.cat([t.reshape(-1) for t in init])
+    flat_grad = torch.zeros_like(flat)
+    ranks = []
+    for pieces in _flat_slices(world_size):
+        views = [flat[start:end] for _, start, end in pieces]
+        ranks.append(
+            (pieces, views, build_optimizer(type_name, params, [{"params": views}], stage=min(world_size, 1)))
+        )
+
+    for step_grads in grads:
+        for p, g in zip(shaped, step_grads, strict=True):
+            p.grad = None if g is None else g.clone()
+        reference.step()
+        flat_grad.copy_(
+            torch.cat(
+                [
+                    (torch.zeros(s) if g is None else g).reshape(-1)
+                    for s, g in zip(_SHAPES, step_grads, strict=True)
+                ]
+            )
+        )
+        for pieces, views, opt in ranks:
+            for (index, start, end), view in zip(pieces, views, strict=True):
+                view.grad = None if step_grads[index] is None else flat_grad[start:end].clone()
+            opt.step()
+
+    assert torch.equal(torch.cat([p.reshape(-1) for p in shaped]), flat)
+
+
+def test_lamb_on_split_parameters_is_not_exact() -> None:
+    """Why Lamb is refused at stages >= 1: per-slice norms change the trust ratio."""
+    init, grads = _random_run((64,), steps=2)
+    whole = [init[0].clone()]
+    _run(whole, Lamb(whole, lr=0.1), [[g[0]] for g in grads])
+    halves = [init[0][:32].clone(), init[0][32:].clone()]
+    _run(halves, Lamb(halves, lr=0.1), [[g[0][:32], g[0][32:]] for g in grads])
+    assert not torch.equal(torch.cat(halves), whole[0])
+
+
+# ---------------------------------------------------------------------------------------------
+# rebuild_optimizer
+
+
+def _copy_groups(client: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """What the engine does: each group's hyperparameters, with new 1-D params."""
+    return [
+        {
+            **{k: v for k, v in group.items() if k != "params"},
+            "params": [torch.zeros(p.numel()) for p in group["params"]],
+        }
+        for group in client.param_groups
+    ]
+
+
+@pytest.mark.parametrize(
+    "make_client",
+    [
+        lambda ps: torch.optim.AdamW(ps, lr=0.01, betas=(0.8, 0.9), weight_decay=0.05, amsgrad=True),
+        lambda ps: torch.optim.Adam(ps, lr=0.02, weight_decay=0.1),
+        lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True),
+        lambda ps: torch.optim.Adagrad(ps, lr=0.3, initial_accumulator_value=0.1),
+        lambda ps: DeepSpeedAdam(ps, bias_correction=False, adam_w_mode=False),
+        lambda ps: Lamb(ps, max_coeff=3.0),
+        lambda ps: Lion(ps, lr=1e-4),
+    ],
+)
+def test_rebuild_keeps_class_and_hyperparameters(make_client: Any) -> None:
+    w1, w2 = torch.nn.Parameter(torch.randn(3, 2)), torch.nn.Parameter(torch.randn(4))
+    client = make_client([{"params": [w1]}, {"params": [w2], "lr": 0.5, "weight_decay": 0.0}])
+    groups = _copy_groups(client)
+    rebuilt = rebuild_optimizer(client, groups)
+    assert type(rebuilt) is type(client)
+    assert rebuilt.defaults == client.defaults
+    for new, old in zip(rebuilt.param_groups, client.param_groups, strict=True):
+        assert {k: v for k, v in new.items() if k != "params"} == {
+            k: v for k, v in old.items() if k != "params"
+        }
+    assert rebuilt.param_groups[0]["params"][0] is groups[0]["params"][0]
+
+
+def test_rebuild_of_an_unconstructible_class_suggests_a_callable() -> None:
+    class NeedsModelDim(torch.optim.SGD):
+        def __init__(self, params: Any, model_dim: int, lr: float = 0.1) -> None:
+            super().__init__(params, lr=lr)
+            self.model_dim = model_dim
+
+    client = NeedsModelDim([torch.nn.Parameter(torch.zeros(2))], model_dim=8)
+    with pytest.raises(TypeError, match=r"NeedsModelDim.*callable `params -> optimizer`"):
+        rebuild_optimizer(client, _copy_groups(client))
+
+
+def test_rebuild_checks_the_stage_when_given() -> None:
+    client = Lamb([torch.nn.Parameter(torch.zeros(2))])
+    assert isinstance(rebuild_optimizer(client, _copy_groups(client), stage=0), Lamb)
+    with pytest.raises(ValueError, match="whole-parameter norms"):
+        rebuild_optimizer(client, _copy_groups(client), stage=2)
+    adafactor = torch.optim.Adafactor([torch.nn.Parameter(torch.zeros(2, 2))])
+    with pytest.raises(ValueError, match="Adafactor is not available"):
+        rebuild_optimizer(adafactor, _copy_groups(adafactor), stage=0)

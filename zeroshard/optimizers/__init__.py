@@ -1,0 +1,9 @@
+"""Small optimizers that DeepSpeed configs name and torch.optim lacks."""
+
+from __future__ import annotations
+
+from zeroshard.optimizers.adam import DeepSpeedAdam
+from zeroshard.optimizers.lamb import Lamb
+from zeroshard.optimizers.lion import Lion
+
+__all__ = ["DeepSpeedAdam", "Lamb", "Lion"]
