@@ -362,7 +362,8 @@ def main() -> None:
     if bar is not None:
         bar.close()
     if rank0:
-        print(f"first loss {first_loss:.4f} -> final loss {loss:.4f} after {engine.global_steps} optimizer steps")
+        steps = engine.global_steps
+        print(f"first loss {first_loss:.4f} -> final loss {loss:.4f} after {steps} optimizer steps")
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
