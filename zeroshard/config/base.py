@@ -1,0 +1,116 @@
+"""The base class of every config block and the value types their fields share.
+
+[Note: input aliases] DeepSpeed accepts two spellings for some keys (`stage3_prefetch_bucket_size` and
+`prefetch_bucket_size`). Our models have one field per setting, named like DeepSpeed's field; the other
+spellings live in the class's `input_aliases` and are renamed before validation (see `keys.py`), so error
+locations always use field names and a key given under both spellings is caught.
+
+[Note: numbers] JSON configs write big integers as floats (`"reduce_bucket_size": 5e8`), which DeepSpeed
+accepts, so integer fields take whole floats. Booleans are not numbers here (`"stage": true` is an error)
+and strings are not numbers (`"stage": "3"` is an error).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Annotated, Any, ClassVar
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict
+from pydantic_core import PydanticCustomError
+
+__all__ = [
+    "Block",
+    "Bool",
+    "Float",
+    "Int",
+    "IntOrAuto",
+    "OptBool",
+    "OptInt",
+    "OptStr",
+    "OptStrList",
+    "Str",
+    "StrList",
+    "coerce_int",
+    "upper",
+]
+
+
+def coerce_int(value: Any) -> Any:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise PydanticCustomError("zs_type", "expected an integer")
+    if isinstance(value, float):
+        if not math.isfinite(value) or not value.is_integer():
+            raise PydanticCustomError("zs_value", "expected an integer")
+        return int(value)
+    return value
+
+
+def _float(value: Any) -> Any:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise PydanticCustomError("zs_type", "expected a number")
+    if not math.isfinite(value):
+        raise PydanticCustomError("zs_value", "expected a finite number")
+    return float(value)
+
+
+def _bool(value: Any) -> Any:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    raise PydanticCustomError("zs_type", "expected true or false")
+
+
+def upper(value: Any) -> Any:
+    """Upper-cases strings before a choice check (DeepSpeed reads these settings case-insensitively)."""
+    return value.upper() if isinstance(value, str) else value
+
+
+def _str(value: Any) -> Any:
+    if not isinstance(value, str):
+        raise PydanticCustomError("zs_type", "expected a string")
+    return value
+
+
+def _str_list(value: Any) -> Any:
+    # DeepSpeed's leaf_module accepts a single string where it expects a list of them.
+    if isinstance(value, str):
+        return [value]
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise PydanticCustomError("zs_type", "expected a list of strings")
+    return list(dict.fromkeys(value))
+
+
+Int = Annotated[int, BeforeValidator(coerce_int)]
+"""An integer; whole floats such as 5e8 are accepted, see [Note: numbers]."""
+Float = Annotated[float, BeforeValidator(_float)]
+"""A finite number, stored as float."""
+Bool = Annotated[bool, BeforeValidator(_bool)]
+"""true or false (0 and 1 are accepted too, as DeepSpeed's pydantic blocks do)."""
+Str = Annotated[str, BeforeValidator(_str)]
+"""A string."""
+OptStr = Annotated[str | None, BeforeValidator(lambda v: v if v is None else _str(v))]
+"""A string or null."""
+StrList = Annotated[list[str], BeforeValidator(_str_list)]
+"""A list of strings (a single string counts as a list of one); duplicates are dropped."""
+OptBool = Annotated[bool | None, BeforeValidator(lambda v: v if v is None else _bool(v))]
+"""true, false or null."""
+OptInt = Annotated[int | None, BeforeValidator(lambda v: v if v is None else coerce_int(v))]
+"""An integer or null."""
+OptStrList = Annotated[list[str] | None, BeforeValidator(lambda v: v if v is None else _str_list(v))]
+"""A list of strings or null."""
+IntOrAuto = Annotated[int | str, BeforeValidator(lambda v: v if v == "auto" else coerce_int(v))]
+"""An integer or the string "auto" (for DeepSpeed fields whose own default is "auto")."""
+
+
+class Block(BaseModel):
+    """Base of every config block: frozen, and unknown keys are rejected.
+
+    Attributes:
+        input_aliases: Other spellings accepted for a field, see [Note: input aliases].
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid", protected_namespaces=())
+
+    input_aliases: ClassVar[Mapping[str, str]] = {}

@@ -1,0 +1,176 @@
+"""`load_config`: from a ds_config (dict or JSON file) to a resolved, validated `ZeroshardConfig`.
+
+The steps, each in its own module: read the source; rewrite deprecated keys (`deprecated.py`); apply the
+unknown-key policy and rename aliases (`keys.py`); resolve "auto" (`auto.py`); complete the batch triad
+(`batch.py`); validate types and ranges (pydantic, messages from `translate.py`); check rules across
+settings (`checks.py`); warn about features zeroshard does not implement (`outofscope.py`). All problems
+are collected and raised together; all warnings are emitted at the end and kept on the config.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import copy
+import json
+import os
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import ValidationError
+
+from zeroshard.config.auto import AutoContext, resolve_auto
+from zeroshard.config.batch import GAS, MICRO, TRAIN, BatchSizes, resolve_batch
+from zeroshard.config.checks import check_config
+from zeroshard.config.cli import ConfigSource
+from zeroshard.config.deprecated import apply_deprecations
+from zeroshard.config.errors import ConfigWarning, Problems
+from zeroshard.config.keys import Paths, canonicalize, drop_auto, split_top_level
+from zeroshard.config.outofscope import out_of_scope_warnings
+from zeroshard.config.schema import ZeroshardConfig
+from zeroshard.config.translate import translate
+
+__all__ = ["load_config", "read_source"]
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    seen: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in seen:
+            raise ValueError(f"key '{key}' appears twice in one object")
+        seen[key] = value
+    return seen
+
+
+def _parse_json(text: str, origin: str) -> Any:
+    try:
+        return json.loads(text, object_pairs_hook=_no_duplicates)
+    except json.JSONDecodeError as err:
+        raise ValueError(
+            f"{origin} is not valid JSON: line {err.lineno}, column {err.colno}: {err.msg}"
+        ) from None
+    except ValueError as err:  # raised by _no_duplicates
+        raise ValueError(f"{origin}: {err} (DeepSpeed rejects duplicate keys too)") from None
+
+
+def _decode_base64(text: str) -> str | None:
+    # DeepSpeed's launcher may pass the config as urlsafe base64 JSON instead of a path.
+    try:
+        decoded = base64.urlsafe_b64decode(text.encode("ascii")).decode("utf-8")
+    except (binascii.Error, UnicodeError, ValueError):
+        return None
+    return decoded if decoded.lstrip().startswith("{") else None
+
+
+def read_source(source: ConfigSource) -> tuple[dict[str, Any], str]:
+    """Reads a config given as a dict, a path to a JSON file, or DeepSpeed's base64-encoded JSON.
+
+    Returns:
+        A deep copy of the top-level object, and a name for it in messages ("ds_config" or the path).
+
+    Raises:
+        ValueError: When the file is missing or is not valid JSON (with line and column).
+        TypeError: When the source or its top level is not an object.
+    """
+    if isinstance(source, Mapping):
+        return copy.deepcopy(dict(source)), "ds_config"
+    if not isinstance(source, str | os.PathLike):
+        raise TypeError(f"config must be a dict or the path of a JSON file, not {type(source).__name__}")
+    path = Path(source)
+    if path.is_file():
+        origin = f"ds_config {path}"
+        data = _parse_json(path.read_text(encoding="utf-8"), origin)
+    else:
+        decoded = _decode_base64(source) if isinstance(source, str) else None
+        if decoded is None:
+            raise ValueError(f"config file not found: {path}")
+        origin = "ds_config (base64)"
+        data = _parse_json(decoded, origin)
+    if not isinstance(data, dict):
+        raise TypeError(f"{origin}: the top level must be a JSON object ({{...}}), not {type(data).__name__}")
+    return data, origin
+
+
+def _check_arguments(world_size: Any, hidden_size: Any, model_dtype: Any, client_optimizer: Any) -> None:
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size: {world_size!r} is not allowed; expected an integer >= 1")
+    if hidden_size is not None and (
+        isinstance(hidden_size, bool) or not isinstance(hidden_size, int) or hidden_size < 1
+    ):
+        raise ValueError(f"hidden_size: {hidden_size!r} is not allowed; expected an integer >= 1 or None")
+    if model_dtype is not None and not isinstance(model_dtype, torch.dtype):
+        raise TypeError(f"model_dtype: {model_dtype!r} is not allowed; expected a torch.dtype or None")
+    if client_optimizer is not None and not isinstance(getattr(client_optimizer, "defaults", None), dict):
+        raise TypeError(
+            f"client_optimizer: {type(client_optimizer).__name__} has no `defaults` dict; expected a "
+            f"torch.optim.Optimizer or None"
+        )
+
+
+def _validate(
+    data: dict[str, Any], batch: BatchSizes | None, world_size: int, paths: Paths, problems: Problems
+) -> ZeroshardConfig | None:
+    # With a broken triad, validate the rest anyway (placeholder sizes) so every problem is reported.
+    sizes = batch or BatchSizes(train=world_size, micro=1, gas=1)
+    full = {**data, TRAIN: sizes.train, MICRO: sizes.micro, GAS: sizes.gas, "world_size": world_size}
+    try:
+        return ZeroshardConfig.model_validate(full)
+    except ValidationError as err:
+        translate(err, paths, problems)
+        return None
+
+
+def load_config(
+    source: ConfigSource,
+    *,
+    world_size: int,
+    hidden_size: int | None = None,
+    model_dtype: torch.dtype | None = None,
+    client_optimizer: torch.optim.Optimizer | None = None,
+) -> ZeroshardConfig:
+    """Reads, resolves and validates a DeepSpeed ds_config.
+
+    Args:
+        source: The config as a dict, or the path of its JSON file.
+        world_size: Data-parallel world size (resolves the batch triad).
+        hidden_size: The model's hidden size, when known (resolves "auto" bucket sizes).
+        model_dtype: Dtype of the model's parameters, when known (resolves `enabled: "auto"` of fp16/bf16).
+        client_optimizer: The optimizer given to `initialize()`, if any (resolves "auto" optimizer params).
+
+    Returns:
+        The frozen, resolved config; `config.warnings` repeats the warnings emitted.
+
+    Raises:
+        ConfigError: A `ValueError` listing every problem, one per line, each naming its dotted key,
+            the value and what is allowed (`ConfigTypeError`, also a `TypeError`, when one is a type).
+        ValueError: When the file is missing or not valid JSON, or an argument is out of range.
+        TypeError: When the source or an argument has the wrong type.
+
+    Warns:
+        ConfigWarning: Once per deprecated key rewritten, ignored top-level key, setting without
+            effect, and out-of-scope feature turned on.
+    """
+    _check_arguments(world_size, hidden_size, model_dtype, client_optimizer)
+    raw, origin = read_source(source)
+    problems = Problems()
+    notes: list[str] = []
+    data = apply_deprecations(raw, notes, problems)
+    data = split_top_level(data, ZeroshardConfig, notes, problems)
+    paths: Paths = {}
+    data = canonicalize(data, ZeroshardConfig, problems, paths)
+    ctx = AutoContext(world_size, hidden_size, model_dtype, client_optimizer)
+    data, given, auto = resolve_auto(data, ctx, problems)
+    data = drop_auto(data, ZeroshardConfig)
+    batch = resolve_batch(given, world_size, problems, auto=auto)
+    cfg = _validate(data, batch, world_size, paths, problems)
+    if cfg is not None:
+        check_config(cfg, problems, notes)
+    problems.raise_if_any(origin)
+    assert cfg is not None  # _validate returned None only after recording a problem
+    notes.extend(out_of_scope_warnings(cfg))
+    for message in notes:
+        warnings.warn(message, ConfigWarning, stacklevel=2)
+    return cfg.model_copy(update={"warnings": tuple(notes)})
