@@ -19,16 +19,15 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)
 
 
 def _entry(fn: Callable[..., Any], rank: int, world_size: int, init_file: str, args: tuple[Any, ...],
-           results: Any) -> None:
+           results: Any, collective_timeout: float) -> None:
     torch.set_num_threads(1)
     os.environ.pop("WORLD_SIZE", None)  # workers join through the file rendezvous, not torchrun's env
     try:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
-                                timeout=COLLECTIVE_TIMEOUT)
+                                timeout=datetime.timedelta(seconds=collective_timeout))
         value = fn(rank, world_size, *args)
         results.put((rank, "ok", value))
     except BaseException:
@@ -39,8 +38,11 @@ def _entry(fn: Callable[..., Any], rank: int, world_size: int, init_file: str, a
             dist.destroy_process_group()
 
 
-def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 240) -> list[Any]:
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 240,
+                    collective_timeout: float = 60) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes; return their results.
+
+    ``collective_timeout`` is the process group's timeout: a collective that cannot complete raises then.
 
     Raises AssertionError carrying the first failing rank's traceback, prefixed with its rank, or naming the
     ranks still running when ``timeout`` seconds have passed (they are killed).
@@ -49,7 +51,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
-        procs = [ctx.Process(target=_entry, args=(fn, r, world_size, init_file, args, results), daemon=True)
+        procs = [ctx.Process(target=_entry, args=(fn, r, world_size, init_file, args, results, collective_timeout), daemon=True)
                  for r in range(world_size)]
         for p in procs:
             p.start()

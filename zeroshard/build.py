@@ -159,9 +159,9 @@ def _broadcast_from_rank0(model: nn.Module, units: list[FlatUnit], comm: Comm) -
     in_units = {id(p) for u in units for p in u.params}
     tensors += [p.data for p in model.parameters() if id(p) not in in_units]
     tensors += [b for b in model.buffers()]
-    src = dist.get_global_rank(comm.group, 0) if comm.group is not None else 0
-    for t in tensors:
-        dist.broadcast(t, src=src, group=comm.group)
+    for pending in [comm.broadcast_from_first(t, what="initial parameter broadcast") for t in tensors]:
+        pending.wait()
+    comm.stats.reset()  # count training traffic only
     for u in units:
         if u.master.data_ptr() != u.own_full_shard().data_ptr():
             u.master.copy_(u.own_full_shard())

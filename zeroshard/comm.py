@@ -48,7 +48,7 @@ class CommStats:
 class Pending:
     """A collective in flight; :meth:`wait` raises if it does not finish within the timeout."""
 
-    def __init__(self, work: Any, what: str, rank: int, timeout: datetime.timedelta) -> None:
+    def __init__(self, work: Any, what: str, rank: int, timeout: datetime.timedelta | None) -> None:
         self._work = work
         self._what = what
         self._rank = rank
@@ -59,28 +59,33 @@ class Pending:
             return
         work, self._work = self._work, None
         try:
-            work.wait(timeout=self._timeout)
+            if self._timeout is None:
+                work.wait()  # bounded by the process group's own timeout
+            else:
+                work.wait(timeout=self._timeout)
         except RuntimeError as err:
+            limit = "the process group's timeout" if self._timeout is None else f"{self._timeout}"
             raise RuntimeError(
-                f"rank {self._rank}: {self._what} did not complete within {self._timeout.total_seconds():.0f}s "
-                "(another rank may have crashed, or ranks ran different collectives)"
+                f"rank {self._rank}: {self._what} failed or did not complete within {limit} (another rank "
+                f"may have crashed, or ranks ran different collectives): {err}"
             ) from err
 
 
-_DONE = Pending(None, "", 0, DEFAULT_TIMEOUT)
+_DONE = Pending(None, "", 0, None)
 
 
 class Comm:
     """Collectives over one data-parallel process group, with byte counting and timeouts.
 
     ``group=None`` with no initialized process group means world size 1: every collective is the identity.
+    ``timeout=None`` bounds every wait by the process group's own timeout (``init_distributed(timeout=)``).
 
     Collective: every method that moves data must be called on all ranks of ``group``, in the same order.
     """
 
     def __init__(self, group: dist.ProcessGroup | None = None, timeout: datetime.timedelta | None = None):
         self.group = group
-        self.timeout = timeout or DEFAULT_TIMEOUT
+        self.timeout = timeout
         self.stats = CommStats()
         if dist.is_available() and dist.is_initialized():
             self.rank = dist.get_rank(group)
@@ -125,6 +130,14 @@ class Comm:
         nbytes = full.numel() * full.element_size()
         fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         return self._launch(what, "all_gather", nbytes, fn, full, shard)
+
+    def broadcast_from_first(self, tensor: torch.Tensor, *, what: str = "broadcast") -> Pending:
+        """Overwrite ``tensor`` with the group's first rank's copy. Collective: call on all ranks."""
+        if self.world_size == 1:
+            return _DONE
+        src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+        return self._launch(what, "broadcast", tensor.numel() * tensor.element_size(), dist.broadcast, tensor,
+                            src=src)
 
     def any_true(self, flags: torch.Tensor, *, what: str = "flag all_reduce") -> torch.Tensor:
         """Element-wise logical OR of a bool/uint8 tensor across ranks (small; not counted as model traffic).

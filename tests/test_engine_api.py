@@ -1,0 +1,187 @@
+"""The engine's DeepSpeed-shaped API: counters, no_sync, schedulers and param_groups edits, bad input."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import time
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+
+import zeroshard
+from tests.distributed import run_distributed
+from tests.models import batch, make_model, two_groups
+
+
+def _config(stage: int, gas: int = 1, **extra: Any) -> dict[str, Any]:
+    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": gas,
+            "gradient_clipping": 0.0, "zero_optimization": {"stage": stage}, **extra}
+
+
+def _global(step: int, micro: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    parts = [batch(step, micro, r) for r in range(world_size)]
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+
+def _sgd(model: torch.nn.Module) -> torch.optim.Optimizer:
+    # SGD with momentum keeps rounding differences proportional (Adam amplifies them near g = 0; see
+    # test_parity), so these API tests can hold the tight tolerance.
+    return torch.optim.SGD(two_groups(model), momentum=0.9)
+
+
+def _assert_same(model: torch.nn.Module, ref: torch.nn.Module, what: str) -> None:
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
+        err = float((p.detach() - q.detach()).abs().max())
+        assert err <= 1e-6 * float(q.detach().abs().max()) + 1e-7, f"{what} {name}: {err}"
+
+
+def no_sync_cases(rank: int, world_size: int) -> None:
+    for stage in (0, 1):
+        model, gas = make_model(0), 3
+        ref = copy.deepcopy(model)
+        ref_opt = _sgd(ref)
+        engine, _, _, _ = zeroshard.initialize(model=model, optimizer=_sgd(model),
+                                               config=_config(stage, gas))
+        for step in range(2):
+            for micro in range(gas):
+                loss = engine(*batch(step, micro, rank))
+                if micro < gas - 1:
+                    with engine.no_sync():
+                        engine.backward(loss)
+                else:
+                    engine.backward(loss)
+                engine.step()
+                (ref(*_global(step, micro, world_size)) / gas).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            _assert_same(model, ref, f"no_sync stage {stage} step {step}")
+        # A boundary backward under no_sync leaves gradients unreduced: step() must refuse.
+        for micro in range(gas):
+            loss = engine(*batch(9, micro, rank))
+            with engine.no_sync():
+                engine.backward(loss)
+            if micro < gas - 1:
+                engine.step()
+        with pytest.raises(RuntimeError, match="no_sync"):
+            engine.step()
+    engine, _, _, _ = zeroshard.initialize(model=make_model(0), config=_config(2))
+    with pytest.raises(RuntimeError, match="stage 2"):
+        with engine.no_sync():
+            pass
+
+
+def scheduler_and_group_edits(rank: int, world_size: int) -> None:
+    # A client scheduler built on the client optimizer keeps driving the shards.
+    model = make_model(0)
+    ref = copy.deepcopy(model)
+    opt = _sgd(model)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    ref_opt = _sgd(ref)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=1, gamma=0.5)
+    engine, zopt, _, zsched = zeroshard.initialize(model=model, optimizer=opt, lr_scheduler=sched,
+                                                   config=_config(2))
+    assert zopt is opt and zsched is sched
+    for step in range(3):
+        engine.backward(engine(*batch(step, 0, rank)))
+        engine.step()
+        ref(*_global(step, 0, world_size)).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_sched.step()
+        _assert_same(model, ref, f"StepLR step {step}")
+    assert engine.get_lr() == pytest.approx(ref_sched.get_last_lr())
+    # An edit by hand: lr 0 for the first group freezes exactly those parameters.
+    before = [p.detach().clone() for p in model.lin1.parameters()]
+    other = model.lin2.weight.detach().clone()
+    zopt.param_groups[0]["lr"] = 0.0
+    zopt.param_groups[0]["weight_decay"] = 0.0
+    engine.backward(engine(*batch(5, 0, rank)))
+    engine.step()
+    for b, p in zip(before, model.lin1.parameters(), strict=True):
+        assert torch.equal(b, p.detach())
+    assert not torch.equal(other, model.lin2.weight.detach())
+
+
+def counters_and_dataloader(rank: int, world_size: int) -> None:
+    data = TensorDataset(torch.arange(40).reshape(20, 2) % 11, torch.arange(40).reshape(20, 2) % 11)
+    model = make_model(0)
+    engine, _, loader, _ = zeroshard.initialize(
+        model=model, model_parameters=model.parameters(), training_data=data,
+        config=_config(1, 3, optimizer={"type": "SGD", "params": {"lr": 0.1}}))
+    assert loader is not None
+    seen = []
+    boundaries = []
+    for x, y in loader:
+        assert x.shape[0] <= 2
+        seen.append(x[:, 0].tolist())
+        boundaries.append(engine.is_gradient_accumulation_boundary())
+        engine.backward(engine(x, y))
+        engine.step()
+    assert boundaries[:3] == [False, False, True]
+    assert engine.micro_steps == len(loader) == 5
+    assert engine.global_steps == 1 and engine.global_samples == 2 * 3 * world_size
+    assert engine.world_size == world_size and engine.global_rank == rank
+    assert engine.zero_optimization_stage() == 1 and engine.get_lr() == [0.1]
+    assert engine.get_global_grad_norm() is not None
+    engine.eval()
+    assert not engine.module.training
+    engine.train()
+    assert engine.module.training
+    return None
+
+
+def bad_input(rank: int, world_size: int) -> None:
+    engine, _, _, _ = zeroshard.initialize(
+        model=make_model(0), config=_config(1, optimizer={"type": "AdamW", "params": {"lr": 1e-3}}))
+    with pytest.raises(RuntimeError, match="before backward"):
+        engine.step()
+    with pytest.raises(ValueError, match="scalar"):
+        engine.backward(torch.ones(3, requires_grad=True) * 2)
+    with pytest.raises(ValueError, match="train_batch_size"):
+        zeroshard.initialize(model=make_model(0), config={"train_batch_size": 3,
+                                                           "train_micro_batch_size_per_gpu": 2})
+
+
+def api_worker(rank: int, world_size: int) -> None:
+    no_sync_cases(rank, world_size)
+    scheduler_and_group_edits(rank, world_size)
+    counters_and_dataloader(rank, world_size)
+    bad_input(rank, world_size)
+
+
+def test_engine_api_world_size_2() -> None:
+    run_distributed(api_worker, 2)
+
+
+def diverging_ranks(rank: int, world_size: int) -> str:
+    engine, _, _, _ = zeroshard.initialize(
+        model=make_model(0), config=_config(0, optimizer={"type": "SGD", "params": {"lr": 0.1}}))
+    if rank == 1:
+        time.sleep(8)  # never joins the gradient all-reduce
+        return "skipped"
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="rank 0: gradient all_reduce"):
+        engine.backward(engine(*batch(0, 0, rank)))
+    return f"raised after {time.monotonic() - start:.1f}s"
+
+
+def test_a_collective_that_cannot_complete_raises_within_the_timeout() -> None:
+    results = run_distributed(diverging_ranks, 2, collective_timeout=3)
+    assert results[0].startswith("raised")
+
+
+def test_single_process_errors_and_helpers() -> None:
+    with pytest.raises(ValueError, match="model"):
+        zeroshard.initialize(model=None, config=_config(0))
+    with pytest.raises(ValueError, match="config"):
+        zeroshard.initialize(model=make_model(0), config=_config(0), config_params=_config(1))
+    half = make_model(0).half()
+    with pytest.raises(ValueError, match="float16"):
+        zeroshard.initialize(model=half, config=_config(0))
+    assert zeroshard.init_distributed() is False  # no launcher: world size 1
+    parser = zeroshard.add_config_arguments(argparse.ArgumentParser())
+    args = parser.parse_args(["--zeroshard_config", "ds.json"])
+    assert args.deepspeed_config == "ds.json"

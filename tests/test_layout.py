@@ -1,0 +1,54 @@
+"""Shard arithmetic, checked exhaustively on small sizes."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from zeroshard.layout import FlatLayout, split_into_units
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 7])
+def test_pieces_cover_every_element_exactly_once(world_size: int) -> None:
+    for numels in itertools.product([0, 1, 3, 7, 15], repeat=3):
+        layout = FlatLayout.for_shapes(numels, world_size)
+        assert layout.padded % world_size == 0
+        assert 0 <= layout.padded - layout.total < world_size
+        seen: dict[tuple[int, int], int] = {}
+        for rank in range(world_size):
+            start, end = layout.shard_range(rank)
+            assert end - start == layout.shard_size
+            for piece in layout.pieces(rank):
+                assert piece.numel > 0
+                assert 0 <= piece.shard_start and piece.shard_start + piece.numel <= layout.shard_size
+                flat = start + piece.shard_start
+                assert flat == layout.offsets[piece.index] + piece.param_start
+                for k in range(piece.numel):
+                    key = (piece.index, piece.param_start + k)
+                    assert key not in seen
+                    seen[key] = rank
+                assert rank in layout.owner_ranks(piece.index)
+        assert len(seen) == layout.total
+
+
+def test_padding_belongs_to_the_last_ranks() -> None:
+    layout = FlatLayout.for_shapes([3], 4)  # padded to 4: rank 3 owns only padding
+    assert layout.padded == 4 and layout.shard_size == 1
+    assert list(layout.pieces(3)) == []
+    assert list(layout.owner_ranks(0)) == [0, 1, 2]
+
+
+def test_bad_arguments_are_errors() -> None:
+    with pytest.raises(ValueError, match="world_size"):
+        FlatLayout.for_shapes([3], 0)
+    with pytest.raises(ValueError, match="rank 2"):
+        FlatLayout.for_shapes([3], 2).shard_range(2)
+    with pytest.raises(ValueError, match="max_elements"):
+        split_into_units([1], 0)
+
+
+def test_split_into_units_keeps_order_and_limit() -> None:
+    assert split_into_units([5, 5, 5, 20, 1], 10) == [[0, 1], [2], [3], [4]]
+    assert split_into_units([], 10) == []
+    assert sum(split_into_units([1] * 9, 4), []) == list(range(9))
