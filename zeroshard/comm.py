@@ -139,6 +139,20 @@ class Comm:
         return self._launch(what, "broadcast", tensor.numel() * tensor.element_size(), dist.broadcast, tensor,
                             src=src)
 
+    def barrier(self, *, what: str = "barrier") -> None:
+        """Wait until every rank arrives (bounded by the timeout). Collective: call on all ranks."""
+        if self.world_size == 1:
+            return
+        Pending(dist.barrier(group=self.group, async_op=True), what, self.rank, self.timeout).wait()
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's picklable ``obj``, in rank order (small metadata only). Collective: call on all ranks."""
+        if self.world_size == 1:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
     def any_true(self, flags: torch.Tensor, *, what: str = "flag all_reduce") -> torch.Tensor:
         """Element-wise logical OR of a bool/uint8 tensor across ranks (small; not counted as model traffic).
 
