@@ -47,6 +47,11 @@ def attr(cfg: ZeroshardConfig, dotted: str) -> Any:
             ("cpu_offload_param", "offload_param"),
         ),
         (
+            {"zero_optimization": {"stage": 3, "cpu_offload_params": True}},
+            {"zero_optimization.offload_param.device": "cpu"},
+            ("cpu_offload_params", "offload_param"),
+        ),
+        (
             {"zero_optimization": {"stage": 3, "stage3_gather_fp16_weights_on_model_save": True}},
             {"zero_optimization.gather_16bit_weights_on_model_save": True},
             ("stage3_gather_fp16_weights_on_model_save", "gather_16bit_weights_on_model_save"),
@@ -115,6 +120,10 @@ def test_pin_memory_flag_applies_to_the_blocks_it_governed() -> None:
         (
             {"zero_optimization": {"cpu_offload_param": True, "offload_param": {"device": "cpu"}}},
             "zero_optimization.cpu_offload_param: given together with zero_optimization.offload_param",
+        ),
+        (
+            {"zero_optimization": {"cpu_offload_param": True, "cpu_offload_params": True}},
+            "zero_optimization.cpu_offload_params: given together with zero_optimization.cpu_offload_param",
         ),
         (
             {

@@ -4,7 +4,8 @@
 - `zero_optimization: true/false` (with top-level `allgather_size`) -> `zero_optimization: {stage: 1/0}`
   (and `allgather_bucket_size`)
 - `zero_optimization.cpu_offload: true` -> `zero_optimization.offload_optimizer: {device: cpu}`
-- `zero_optimization.cpu_offload_param: true` -> `zero_optimization.offload_param: {device: cpu}`
+- `zero_optimization.cpu_offload_param: true` (or the older `cpu_offload_params`) ->
+  `zero_optimization.offload_param: {device: cpu}`
 - `zero_optimization.cpu_offload_use_pin_memory` -> `pin_memory` of the offload blocks the two keys
   above create (without them it has no effect, as in DeepSpeed today)
 - `zero_optimization.stage3_gather_fp16_weights_on_model_save` ->
@@ -63,9 +64,18 @@ def _cpu_offload(zero: dict[str, Any], old: str, new: str, notes: list[str], pro
 
 def _zero(block: Mapping[str, Any], notes: list[str], problems: Problems) -> dict[str, Any]:
     zero = dict(block)
+    # DeepSpeed 0.3/0.4 spelled it cpu_offload_params; DeepSpeed 0.19 rejects that spelling.
+    legacy_param = "cpu_offload_params" if "cpu_offload_params" in zero else "cpu_offload_param"
+    if "cpu_offload_params" in zero and "cpu_offload_param" in zero:
+        zero.pop("cpu_offload_params")
+        problems.add(
+            "zero_optimization.cpu_offload_params: given together with zero_optimization.cpu_offload_param "
+            "(two spellings of one deprecated key); keep only offload_param"
+        )
+        legacy_param = "cpu_offload_param"
     made = [
         new
-        for old, new in (("cpu_offload", "offload_optimizer"), ("cpu_offload_param", "offload_param"))
+        for old, new in (("cpu_offload", "offload_optimizer"), (legacy_param, "offload_param"))
         if _cpu_offload(zero, old, new, notes, problems)
     ]
     if "cpu_offload_use_pin_memory" in zero:

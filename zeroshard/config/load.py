@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import copy
 import json
 import os
 import warnings
@@ -56,6 +55,16 @@ def _parse_json(text: str, origin: str) -> Any:
         raise ValueError(f"{origin}: {err} (DeepSpeed rejects duplicate keys too)") from None
 
 
+def _copy_tree(value: Any) -> Any:
+    # Copies the JSON-like containers but not the leaves: a dict config may hold objects (an mpu, a
+    # process group) that must not be deep-copied.
+    if isinstance(value, Mapping):
+        return {key: _copy_tree(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_copy_tree(item) for item in value]
+    return value
+
+
 def _decode_base64(text: str) -> str | None:
     # DeepSpeed's launcher may pass the config as urlsafe base64 JSON instead of a path.
     try:
@@ -69,14 +78,14 @@ def read_source(source: ConfigSource) -> tuple[dict[str, Any], str]:
     """Reads a config given as a dict, a path to a JSON file, or DeepSpeed's base64-encoded JSON.
 
     Returns:
-        A deep copy of the top-level object, and a name for it in messages ("ds_config" or the path).
+        A copy of the top-level object, and a name for it in messages ("ds_config" or the path).
 
     Raises:
         ValueError: When the file is missing or is not valid JSON (with line and column).
         TypeError: When the source or its top level is not an object.
     """
     if isinstance(source, Mapping):
-        return copy.deepcopy(dict(source)), "ds_config"
+        return _copy_tree(source), "ds_config"
     if not isinstance(source, str | os.PathLike):
         raise TypeError(f"config must be a dict or the path of a JSON file, not {type(source).__name__}")
     path = Path(source)

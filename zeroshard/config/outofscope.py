@@ -78,9 +78,12 @@ def _changed(block: Block, prefix: str, names: tuple[str, ...] | None = None) ->
     default = type(block)()
     for name in names or tuple(type(block).model_fields):
         value = getattr(block, name)
-        if value != getattr(default, name):
-            shown = value.model_dump() if isinstance(value, Block) else value
-            yield f"{prefix}.{name}={show(shown)}"
+        if value == getattr(default, name):
+            continue
+        if isinstance(value, Block):
+            yield from _changed(value, f"{prefix}.{name}")
+        else:
+            yield f"{prefix}.{name}={show(value)}"
 
 
 def _enabled(cfg: ZeroshardConfig, key: str) -> list[str]:

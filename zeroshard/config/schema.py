@@ -197,8 +197,12 @@ class ZeroshardConfig(Block):
     """Messages of the ConfigWarnings emitted while loading."""
 
     def to_dict(self) -> dict[str, Any]:
-        """Returns the resolved config as a JSON-serialisable dict (without `warnings`), for logging."""
-        return self.model_dump(mode="json", exclude={"warnings"})
+        """Returns the resolved config as a JSON-serialisable dict (without `warnings`), for logging.
+
+        Objects a dict config may carry (an mpu in `tensor_parallel.tp`) appear as their repr.
+        """
+        plain: dict[str, Any] = json.loads(json.dumps(self.model_dump(exclude={"warnings"}), default=repr))
+        return plain
 
     def dump(self) -> str:
         """Returns the resolved config as indented JSON."""
