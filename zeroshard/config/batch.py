@@ -97,10 +97,10 @@ def resolve_batch(
                 f"at world_size {ws} set {key} explicitly or make {TRAIN} larger"
             )
             return None
-    t = inferred[TRAIN][0] if TRAIN in inferred else t
-    m = inferred[MICRO][0] if MICRO in inferred else m
-    g = inferred[GAS][0] if GAS in inferred else g
-    assert t is not None and m is not None and g is not None  # every branch above fills all three
+    final = {TRAIN: t, MICRO: m, GAS: g} | {key: value for key, (value, _) in inferred.items()}
+    t, m, g = final[TRAIN], final[MICRO], final[GAS]
+    if t is None or m is None or g is None:  # unreachable: every branch above completes the triad
+        raise RuntimeError(f"batch triad left incomplete: {final}")
     if t != m * g * ws:
         how = "".join(f"; {key} was inferred as {value} ({text})" for key, (value, text) in inferred.items())
         problems.add(

@@ -178,7 +178,8 @@ def load_config(
     if cfg is not None:
         check_config(cfg, problems, notes)
     problems.raise_if_any(origin)
-    assert cfg is not None  # _validate returned None only after recording a problem
+    if cfg is None:  # unreachable: _validate records a problem whenever it returns None
+        raise RuntimeError("config validation failed without reporting a problem")
     notes.extend(out_of_scope_warnings(cfg))
     for message in notes:
         warnings.warn(message, ConfigWarning, stacklevel=2)
