@@ -1,0 +1,135 @@
+"""The config's monitors: TensorBoard, CSV and Weights & Biases, writing DeepSpeed's event names.
+
+An event is DeepSpeed's tuple `(name, value, x)` with x = global samples. Each monitor writes where
+DeepSpeed's does: TensorBoard and CSV under `os.path.join(output_path, job_name)` (empty `output_path`:
+relative to the working directory), one CSV file per event named after it (`Train_Samples_lr.csv`, header
+`step,lr`), W&B into `project` / `group` / `team` with `step=x`. Only rank 0 builds monitors.
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import os
+from pathlib import Path
+from typing import Any, Protocol
+
+from zeroshard.config import ZeroshardConfig
+
+__all__ = [
+    "CSVMonitor",
+    "Event",
+    "Monitor",
+    "TensorBoardMonitor",
+    "WandbMonitor",
+    "build_monitors",
+    "check_available",
+]
+
+Event = tuple[str, float, int]
+"""(name, value, global_samples), DeepSpeed's summary event."""
+
+
+class Monitor(Protocol):
+    def write_events(self, events: list[Event]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class TensorBoardMonitor:
+    """Scalars in a TensorBoard event file under `log_dir`, flushed after every write (as DeepSpeed does)."""
+
+    def __init__(self, log_dir: str) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        os.makedirs(log_dir, exist_ok=True)
+        self.log_dir = log_dir
+        self._writer = SummaryWriter(log_dir=log_dir)
+
+    def write_events(self, events: list[Event]) -> None:
+        for name, value, step in events:
+            self._writer.add_scalar(name, value, step)
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+class CSVMonitor:
+    """One CSV file per event under `log_dir`, DeepSpeed's csv_monitor layout."""
+
+    def __init__(self, log_dir: str) -> None:
+        os.makedirs(log_dir, exist_ok=True)
+        self.log_dir = log_dir
+
+    def path(self, name: str) -> Path:
+        """The file that event `name` is written to."""
+        return Path(self.log_dir) / (name.replace("/", "_").replace(" ", "_") + ".csv")
+
+    def write_events(self, events: list[Event]) -> None:
+        for name, value, step in events:
+            path = self.path(name)
+            with path.open("a", newline="", encoding="utf-8") as file:
+                writer = csv.writer(file)
+                # A resumed run appends to the file; the header goes only at its top, so it stays one table.
+                if file.tell() == 0:
+                    writer.writerow(["step", name.rsplit("/", 1)[-1]])
+                writer.writerow([step, value])
+
+    def close(self) -> None:
+        pass  # every write opens and closes its file
+
+
+class WandbMonitor:
+    """A Weights & Biases run; `WANDB_MODE=offline` keeps it local."""
+
+    def __init__(self, project: str, group: str | None, team: str | None, config: dict[str, Any]) -> None:
+        import wandb
+
+        self._run = wandb.init(project=project, group=group, entity=team, config=config)
+
+    def write_events(self, events: list[Event]) -> None:
+        by_step: dict[int, dict[str, float]] = {}
+        for name, value, step in events:
+            by_step.setdefault(step, {})[name] = value
+        for step, values in sorted(by_step.items()):
+            self._run.log(values, step=step)
+
+    def close(self) -> None:
+        self._run.finish()
+
+
+_EXTRAS = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb")}
+
+
+def check_available(config: ZeroshardConfig) -> None:
+    """Checks that every enabled monitor's package is installed; call it on every rank.
+
+    Every rank checks (not only rank 0, which writes) so that a missing package stops all of them at once
+    instead of leaving the others waiting in a collective.
+
+    Raises:
+        ImportError: Naming the config key that enabled the monitor and the pip command that installs it.
+    """
+    for key, (module, extra) in _EXTRAS.items():
+        if getattr(config, key).enabled and importlib.util.find_spec(module) is None:
+            raise ImportError(
+                f"{key}.enabled is true in the config but the {module} package is not installed: "
+                f"pip install 'zeroshard[{extra}]' (or pip install {module}), or set {key}.enabled to false"
+            )
+
+
+def build_monitors(config: ZeroshardConfig) -> list[Monitor]:
+    """The monitors the config enables (call on rank 0 only)."""
+    check_available(config)
+    monitors: list[Monitor] = []
+    if config.tensorboard.enabled:
+        monitors.append(
+            TensorBoardMonitor(os.path.join(config.tensorboard.output_path, config.tensorboard.job_name))
+        )
+    if config.csv_monitor.enabled:
+        monitors.append(CSVMonitor(os.path.join(config.csv_monitor.output_path, config.csv_monitor.job_name)))
+    if config.wandb.enabled:
+        wandb = config.wandb
+        monitors.append(WandbMonitor(wandb.project, wandb.group, wandb.team, config.to_dict()))
+    return monitors
