@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -310,24 +311,63 @@ def test_dry_run_prints_every_node_command(tmp_path: Path, capsys: pytest.Captur
 # -- end to end ----------------------------------------------------------------------------------------------
 
 
-def test_launch_runs_the_example_on_two_processes() -> None:
-    command = [
-        sys.executable,
-        "-m",
-        "zeroshard.cli",
-        "launch",
-        "--nproc-per-node",
-        "2",
-        "examples/train_gpt.py",
-        "--steps",
-        "2",
-        "--deepspeed_config",
-        "examples/configs/zero1.json",
-    ]
+EXAMPLE = ["examples/train_gpt.py", "--steps", "2", "--deepspeed_config", "examples/configs/zero1.json"]
+
+
+def _launch(argv: list[str]) -> subprocess.Popen[str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("WORLD_SIZE", None)
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
-    output = done.stdout + done.stderr
-    assert done.returncode == 0, output
-    assert "world size 2" in output
-    assert "after 2 optimizer steps" in output
+    command = [sys.executable, "-m", "zeroshard.cli", "launch", *argv, *EXAMPLE]
+    return subprocess.Popen(
+        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
+def _finish(procs: list[subprocess.Popen[str]], timeout: float) -> list[str]:
+    outputs = []
+    try:
+        for proc in procs:
+            out, _ = proc.communicate(timeout=timeout)
+            assert proc.returncode == 0, out
+            outputs.append(out)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    return outputs
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_launch_one_node_and_two_nodes_train_the_same() -> None:
+    (single,) = _finish([_launch(["--nproc-per-node", "2"])], timeout=240)
+    assert "world size 2" in single
+    final = [line for line in single.splitlines() if "after 2 optimizer steps" in line]
+    assert len(final) == 1, single
+    # Two "nodes" on this machine: two launch commands, one process each, meeting at node 0's address.
+    port = str(_free_port())
+    nodes = [
+        _launch(
+            [
+                "--nproc-per-node",
+                "1",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(rank),
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                port,
+            ]
+        )
+        for rank in (0, 1)
+    ]
+    node0, _ = _finish(nodes, timeout=240)
+    # The same world size, ranks and seeds: the same losses, digit for digit.
+    assert [line for line in node0.splitlines() if "after 2 optimizer steps" in line] == final
