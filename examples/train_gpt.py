@@ -192,12 +192,13 @@ class MarkovLanguage(torch.utils.data.Dataset[tuple[torch.Tensor, torch.Tensor]]
 
 MIB = 1024 * 1024
 
-# Model-state bytes per rank for fp32 Adam (ZeRO paper, K = 8 bytes of optimizer state per parameter).
-ZERO_FORMULA = {0: "16N", 1: "8N + 8N/W", 2: "4N + 12N/W", 3: "16N/W"}
-
-
-def zero_formula_bytes(stage: int, n: int, w: int) -> float:
-    return {0: 16 * n, 1: 8 * n + 8 * n / w, 2: 4 * n + 12 * n / w, 3: 16 * n / w}[stage]
+# Model-state bytes per rank for Adam (ZeRO paper): fp32, and mixed precision (16-bit params and grads,
+# fp32 master + two moments = 12 bytes). With gradient accumulation zeroshard keeps gradients in fp32 by
+# default, which engine.memory_breakdown().predicted accounts for; the formula text is the paper's.
+ZERO_FORMULA = {
+    "fp32": {0: "16N", 1: "8N + 8N/W", 2: "4N + 12N/W", 3: "16N/W"},
+    "mixed": {0: "16N", 1: "4N + 12N/W", 2: "2N + 14N/W", 3: "16N/W"},
+}
 
 
 def mean_over_ranks(value: float) -> float:
@@ -231,6 +232,9 @@ def memory_table(engine: Any) -> str | None:
         return None
 
     n, w, stage = mb.num_parameters, mb.world_size, mb.stage
+    cfg = engine.config
+    precision = "bf16" if cfg.bf16.enabled else "fp16" if cfg.fp16.enabled else "fp32"
+    kind = "fp32" if precision == "fp32" else "mixed"
 
     def cell(measured: int, predicted: int | None) -> str:
         pred = "" if predicted is None else f"({predicted / MIB:.2f})"
@@ -239,8 +243,8 @@ def memory_table(engine: Any) -> str | None:
     cols = ["params", "grads", "optimizer state", "comm buffers", "total"]
     lines = [
         f"memory per rank after step 1, MiB measured (ZeRO prediction): stage {stage}, W={w}, N={n:,}",
-        f"fp32 Adam model states = {ZERO_FORMULA[stage]} = {zero_formula_bytes(stage, n, w) / MIB:.2f} MiB; "
-        "comm buffers = peak of the transient gradient buckets",
+        f"{precision} Adam model states = {ZERO_FORMULA[kind][stage]}; predicted here "
+        f"{mb.predicted.total / MIB:.2f} MiB; comm buffers = peak of the transient gradient buckets",
         "rank | " + " | ".join(f"{c:>16}" for c in cols),
     ]
     for rank, r in enumerate(rows):

@@ -20,14 +20,25 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-
-def _entry(fn: Callable[..., Any], rank: int, world_size: int, init_file: str, args: tuple[Any, ...],
-           results: Any, collective_timeout: float) -> None:
+def _entry(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    init_file: str,
+    args: tuple[Any, ...],
+    results: Any,
+    collective_timeout: float,
+) -> None:
     torch.set_num_threads(1)
     os.environ.pop("WORLD_SIZE", None)  # workers join through the file rendezvous, not torchrun's env
     try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=collective_timeout))
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{init_file}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=collective_timeout),
+        )
         value = fn(rank, world_size, *args)
         results.put((rank, "ok", value))
     except BaseException:
@@ -38,8 +49,9 @@ def _entry(fn: Callable[..., Any], rank: int, world_size: int, init_file: str, a
             dist.destroy_process_group()
 
 
-def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 240,
-                    collective_timeout: float = 60) -> list[Any]:
+def run_distributed(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 240, collective_timeout: float = 60
+) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes; return their results.
 
     ``collective_timeout`` is the process group's timeout: a collective that cannot complete raises then.
@@ -51,8 +63,14 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
-        procs = [ctx.Process(target=_entry, args=(fn, r, world_size, init_file, args, results, collective_timeout), daemon=True)
-                 for r in range(world_size)]
+        procs = [
+            ctx.Process(
+                target=_entry,
+                args=(fn, r, world_size, init_file, args, results, collective_timeout),
+                daemon=True,
+            )
+            for r in range(world_size)
+        ]
         for p in procs:
             p.start()
         out: dict[int, Any] = {}
@@ -80,8 +98,10 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
                 p.join()
     if errors:
         rank, tb = errors[0]
-        raise AssertionError(f"rank {rank} of {world_size} failed:\n" + "".join(f"[rank {rank}] {line}\n"
-                                                                                 for line in tb.splitlines()))
+        raise AssertionError(
+            f"rank {rank} of {world_size} failed:\n"
+            + "".join(f"[rank {rank}] {line}\n" for line in tb.splitlines())
+        )
     if len(out) < world_size:
         missing = sorted(set(range(world_size)) - set(out))
         codes = {r: procs[r].exitcode for r in missing}

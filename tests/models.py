@@ -42,8 +42,14 @@ def make_model(seed: int = 0) -> ToyLM:
     return ToyLM()
 
 
-def batch(step: int, micro: int, rank: int, micro_batch: int = 2, seq: int = 5,
-          rare_at: Callable[[int, int, int], bool] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(
+    step: int,
+    micro: int,
+    rank: int,
+    micro_batch: int = 2,
+    seq: int = 5,
+    rare_at: Callable[[int, int, int], bool] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A deterministic micro-batch; tokens avoid 0 unless ``rare_at(step, micro, rank)`` says otherwise."""
     g = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
     x = torch.randint(1, VOCAB, (micro_batch, seq), generator=g)

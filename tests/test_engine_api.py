@@ -17,8 +17,13 @@ from tests.models import batch, make_model, two_groups
 
 
 def _config(stage: int, gas: int = 1, **extra: Any) -> dict[str, Any]:
-    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": gas,
-            "gradient_clipping": 0.0, "zero_optimization": {"stage": stage}, **extra}
+    return {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": gas,
+        "gradient_clipping": 0.0,
+        "zero_optimization": {"stage": stage},
+        **extra,
+    }
 
 
 def _global(step: int, micro: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,8 +48,7 @@ def no_sync_cases(rank: int, world_size: int) -> None:
         model, gas = make_model(0), 3
         ref = copy.deepcopy(model)
         ref_opt = _sgd(ref)
-        engine, _, _, _ = zeroshard.initialize(model=model, optimizer=_sgd(model),
-                                               config=_config(stage, gas))
+        engine, _, _, _ = zeroshard.initialize(model=model, optimizer=_sgd(model), config=_config(stage, gas))
         for step in range(2):
             for micro in range(gas):
                 loss = engine(*batch(step, micro, rank))
@@ -81,8 +85,9 @@ def scheduler_and_group_edits(rank: int, world_size: int) -> None:
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     ref_opt = _sgd(ref)
     ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=1, gamma=0.5)
-    engine, zopt, _, zsched = zeroshard.initialize(model=model, optimizer=opt, lr_scheduler=sched,
-                                                   config=_config(2))
+    engine, zopt, _, zsched = zeroshard.initialize(
+        model=model, optimizer=opt, lr_scheduler=sched, config=_config(2)
+    )
     assert zopt is opt and zsched is sched
     for step in range(3):
         engine.backward(engine(*batch(step, 0, rank)))
@@ -109,8 +114,11 @@ def counters_and_dataloader(rank: int, world_size: int) -> None:
     data = TensorDataset(torch.arange(40).reshape(20, 2) % 11, torch.arange(40).reshape(20, 2) % 11)
     model = make_model(0)
     engine, _, loader, _ = zeroshard.initialize(
-        model=model, model_parameters=model.parameters(), training_data=data,
-        config=_config(1, 3, optimizer={"type": "SGD", "params": {"lr": 0.1}}))
+        model=model,
+        model_parameters=model.parameters(),
+        training_data=data,
+        config=_config(1, 3, optimizer={"type": "SGD", "params": {"lr": 0.1}}),
+    )
     assert loader is not None
     seen = []
     boundaries = []
@@ -135,14 +143,16 @@ def counters_and_dataloader(rank: int, world_size: int) -> None:
 
 def bad_input(rank: int, world_size: int) -> None:
     engine, _, _, _ = zeroshard.initialize(
-        model=make_model(0), config=_config(1, optimizer={"type": "AdamW", "params": {"lr": 1e-3}}))
+        model=make_model(0), config=_config(1, optimizer={"type": "AdamW", "params": {"lr": 1e-3}})
+    )
     with pytest.raises(RuntimeError, match="before backward"):
         engine.step()
     with pytest.raises(ValueError, match="scalar"):
         engine.backward(torch.ones(3, requires_grad=True) * 2)
     with pytest.raises(ValueError, match="train_batch_size"):
-        zeroshard.initialize(model=make_model(0), config={"train_batch_size": 3,
-                                                           "train_micro_batch_size_per_gpu": 2})
+        zeroshard.initialize(
+            model=make_model(0), config={"train_batch_size": 3, "train_micro_batch_size_per_gpu": 2}
+        )
 
 
 def api_worker(rank: int, world_size: int) -> None:
@@ -158,7 +168,8 @@ def test_engine_api_world_size_2() -> None:
 
 def diverging_ranks(rank: int, world_size: int) -> str:
     engine, _, _, _ = zeroshard.initialize(
-        model=make_model(0), config=_config(0, optimizer={"type": "SGD", "params": {"lr": 0.1}}))
+        model=make_model(0), config=_config(0, optimizer={"type": "SGD", "params": {"lr": 0.1}})
+    )
     if rank == 1:
         time.sleep(8)  # never joins the gradient all-reduce
         return "skipped"

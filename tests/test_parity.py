@@ -41,8 +41,9 @@ def _optimizer(name: str, groups: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(groups) if name == "AdamW" else torch.optim.SGD(groups, momentum=0.9)
 
 
-def run_case(rank: int, world_size: int, stage: int, gas: int, clip: float, opt_kind: str,
-             bucket: int, opt: str) -> dict[str, float]:
+def run_case(
+    rank: int, world_size: int, stage: int, gas: int, clip: float, opt_kind: str, bucket: int, opt: str
+) -> dict[str, float]:
     model = make_model(0)
     ref = copy.deepcopy(model)
     unused_before = model.unused.detach().clone()
@@ -61,7 +62,10 @@ def run_case(rank: int, world_size: int, stage: int, gas: int, clip: float, opt_
         kwargs["model_parameters"] = two_groups(model)
     else:
         params = {"lr": 1e-3, "weight_decay": 0.01}
-        config["optimizer"] = {"type": opt, "params": params if opt == "AdamW" else {**params, "momentum": 0.9}}
+        config["optimizer"] = {
+            "type": opt,
+            "params": params if opt == "AdamW" else {**params, "momentum": 0.9},
+        }
         kwargs["model_parameters"] = two_groups(model)
     engine, _, _, _ = zeroshard.initialize(model=model, config=config, **kwargs)
     rare_at = _rare_at(world_size)
@@ -75,8 +79,11 @@ def run_case(rank: int, world_size: int, stage: int, gas: int, clip: float, opt_
             parts = [batch(step, micro, r, rare_at=rare_at) for r in range(world_size)]
             ref_loss = ref(torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])) / gas
             ref_loss.backward()
-        ref_norm = float(torch.nn.utils.clip_grad_norm_(
-            [p for p in ref.parameters() if p.requires_grad], clip if clip > 0 else float("inf")))
+        ref_norm = float(
+            torch.nn.utils.clip_grad_norm_(
+                [p for p in ref.parameters() if p.requires_grad], clip if clip > 0 else float("inf")
+            )
+        )
         ref_opt.step()
         ref_opt.zero_grad(set_to_none=True)
         norm = engine.get_global_grad_norm()
@@ -102,7 +109,10 @@ def _cases(stages: list[int]) -> list[dict[str, Any]]:
     buckets = itertools.cycle([10_000_000, 60, 1])  # one unit; a few units; one unit per parameter
     return [
         {"stage": s, "gas": g, "clip": c, "opt_kind": next(kinds), "bucket": next(buckets), "opt": o}
-        for s in stages for g in (1, 3) for c in (0.0, 0.05) for o in ("AdamW", "SGD")
+        for s in stages
+        for g in (1, 3)
+        for c in (0.0, 0.05)
+        for o in ("AdamW", "SGD")
     ]
 
 

@@ -17,10 +17,10 @@ from zeroshard.dist import init_distributed, local_rank
 from zeroshard.engine import ZeroshardEngine
 from zeroshard.flat_param import FlatUnit
 from zeroshard.grad_sync import Averaging, GradientReducer
-from zeroshard.optim_factory import build_optimizer
 from zeroshard.lr_schedules import build_scheduler
+from zeroshard.optim_factory import build_optimizer, check_optimizer_for_stage
 from zeroshard.optimizer import ShardedStep, normalize_param_groups, reseat_optimizer, shard_param_groups
-from zeroshard.precision import FP32, DtypePolicy
+from zeroshard.precision import DtypePolicy, loss_scaler_from_config, policy_from_config
 from zeroshard.stages import StagePlan, plan_for
 
 logger = logging.getLogger(__name__)
@@ -70,27 +70,40 @@ def initialize(
         client_optimizer=client_opt,
     )
     plan = plan_for(cfg.zero_optimization.stage)
-    policy = _dtype_policy(cfg)
+    policy = policy_from_config(cfg)
     if comm.rank == 0:
         logger.info("zeroshard config:\n%s", cfg.dump())
 
     groups = normalize_param_groups(model, client_opt.param_groups if client_opt else model_parameters)
+    _broadcast_from_rank0(model, comm)
     units = _build_units(model, cfg, plan, policy, comm)
-    _broadcast_from_rank0(model, units, comm)
+    if policy.mixed:
+        # Frozen parameters and floating buffers follow the compute dtype; unit parameters already do.
+        model.to(dtype=policy.compute)
     sharded_groups, slices = shard_param_groups(groups, units)
     opt = _build_optimizer(optimizer, cfg, sharded_groups, plan)
     scheduler = _build_scheduler(lr_scheduler, cfg, opt)
 
     reducer = GradientReducer(
-        units, comm, plan,
+        units,
+        comm,
+        plan,
         Averaging(comm.world_size, cfg.prescale_gradients, cfg.gradient_predivide_factor),
         overlap_comm=cfg.zero_optimization.overlap_comm,
     )
     reducer.register_hooks()
     engine = ZeroshardEngine(
-        model, config=cfg, plan=plan, comm=comm, units=units, reducer=reducer,
-        sharded_step=ShardedStep(units, slices, comm, plan), optimizer=opt, lr_scheduler=scheduler,
+        model,
+        config=cfg,
+        plan=plan,
+        comm=comm,
+        units=units,
+        reducer=reducer,
+        sharded_step=ShardedStep(units, slices, comm, plan),
+        optimizer=opt,
+        lr_scheduler=scheduler,
         local_rank=local_rank(),
+        loss_scaler=loss_scaler_from_config(cfg),
     )
     loader = _build_dataloader(training_data, cfg, comm, collate_fn)
     return engine, opt, loader, scheduler
@@ -106,15 +119,6 @@ def _hidden_size(model: nn.Module) -> int | None:
     return None
 
 
-def _dtype_policy(cfg: ZeroshardConfig) -> DtypePolicy:
-    if cfg.fp16.enabled or cfg.bf16.enabled:
-        raise ValueError(
-            "fp16.enabled / bf16.enabled: mixed precision is not available in this zeroshard version yet; "
-            "set both to false to train in fp32"
-        )
-    return FP32
-
-
 def _build_units(
     model: nn.Module, cfg: ZeroshardConfig, plan: StagePlan, policy: DtypePolicy, comm: Comm
 ) -> list[FlatUnit]:
@@ -123,11 +127,13 @@ def _build_units(
     A unit holds parameters of one dtype and device; frozen parameters stay where they are, untouched.
     """
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    allowed = {torch.float32, policy.compute}
     for name, p in named:
-        if p.dtype != torch.float32:
+        if p.dtype not in allowed:
             raise ValueError(
-                f"parameter {name!r} is {p.dtype}; fp32 training needs fp32 parameters (model.float()), "
-                "or enable bf16/fp16 in the config"
+                f"parameter {name!r} is {p.dtype}; with this config zeroshard trains in {policy.compute} and "
+                f"expects {' or '.join(sorted(str(d) for d in allowed))} parameters: convert the model "
+                "(model.float()) or enable the matching bf16/fp16 block"
             )
     limit = max(1, cfg.zero_optimization.reduce_bucket_size)
     shard_world = comm.world_size if plan.shard_optimizer else 1
@@ -137,8 +143,17 @@ def _build_units(
     size = 0
 
     def close() -> None:
-        units.append(FlatUnit(len(units), [p for _, p in current], [n for n, _ in current],
-                              rank=shard_rank, world_size=shard_world, plan=plan, policy=policy))
+        units.append(
+            FlatUnit(
+                len(units),
+                [p for _, p in current],
+                [n for n, _ in current],
+                rank=shard_rank,
+                world_size=shard_world,
+                plan=plan,
+                policy=policy,
+            )
+        )
 
     for name, p in named:
         if current and (size + p.numel() > limit or p.device != current[0][1].device):
@@ -151,36 +166,38 @@ def _build_units(
     return units
 
 
-def _broadcast_from_rank0(model: nn.Module, units: list[FlatUnit], comm: Comm) -> None:
-    """Start every rank from rank 0's parameters and buffers, as DeepSpeed does."""
+def _broadcast_from_rank0(model: nn.Module, comm: Comm) -> None:
+    """Start every rank from rank 0's parameters and buffers, as DeepSpeed does (before any cast)."""
     if comm.world_size == 1:
         return
-    tensors = [u.full for u in units]
-    in_units = {id(p) for u in units for p in u.params}
-    tensors += [p.data for p in model.parameters() if id(p) not in in_units]
-    tensors += [b for b in model.buffers()]
+    tensors = [p.data for p in model.parameters()] + list(model.buffers())
     for pending in [comm.broadcast_from_first(t, what="initial parameter broadcast") for t in tensors]:
         pending.wait()
     comm.stats.reset()  # count training traffic only
-    for u in units:
-        if u.master.data_ptr() != u.own_full_shard().data_ptr():
-            u.master.copy_(u.own_full_shard())
 
 
 def _build_optimizer(
     optimizer: OptimizerArg, cfg: ZeroshardConfig, sharded_groups: list[dict[str, Any]], plan: StagePlan
 ) -> torch.optim.Optimizer | None:
     if isinstance(optimizer, torch.optim.Optimizer):
+        check_optimizer_for_stage(type(optimizer), plan.stage, type_label=type(optimizer).__name__)
         if cfg.optimizer is not None:
-            logger.warning("both a client optimizer and an 'optimizer' config block were given: using the client's")
+            logger.warning(
+                "both a client optimizer and an 'optimizer' config block were given: using the client's"
+            )
         if optimizer.state:
-            logger.warning("the client optimizer's existing state is discarded: zeroshard keeps state per shard")
+            logger.warning(
+                "the client optimizer's existing state is discarded: zeroshard keeps state per shard"
+            )
         reseat_optimizer(optimizer, sharded_groups)
         return optimizer
     if callable(optimizer):
         built = optimizer(sharded_groups)
         if not isinstance(built, torch.optim.Optimizer):
-            raise TypeError(f"optimizer= callable returned {type(built).__name__}, not a torch.optim.Optimizer")
+            raise TypeError(
+                f"optimizer= callable returned {type(built).__name__}, not a torch.optim.Optimizer"
+            )
+        check_optimizer_for_stage(type(built), plan.stage, type_label=type(built).__name__)
         return built
     if optimizer is not None:
         raise TypeError(
@@ -193,18 +210,26 @@ def _build_optimizer(
 
 
 def _build_scheduler(lr_scheduler: Any, cfg: ZeroshardConfig, opt: torch.optim.Optimizer | None) -> Any:
-    if lr_scheduler is not None and not callable(getattr(lr_scheduler, "step", None)) and callable(lr_scheduler):
+    if (
+        lr_scheduler is not None
+        and not callable(getattr(lr_scheduler, "step", None))
+        and callable(lr_scheduler)
+    ):
         if opt is None:
             raise ValueError("lr_scheduler= callable needs an optimizer to be built first")
         return lr_scheduler(opt)
     if lr_scheduler is not None:
         if cfg.scheduler is not None:
-            logger.warning("both a client lr_scheduler and a 'scheduler' config block were given: using the client's")
+            logger.warning(
+                "both a client lr_scheduler and a 'scheduler' config block were given: using the client's"
+            )
         return lr_scheduler
     if cfg.scheduler is None:
         return None
     if opt is None:
-        raise ValueError("scheduler: a 'scheduler' config block needs an optimizer (config 'optimizer' or optimizer=)")
+        raise ValueError(
+            "scheduler: a 'scheduler' config block needs an optimizer (config 'optimizer' or optimizer=)"
+        )
     return build_scheduler(cfg.scheduler.type, cfg.scheduler.params, opt)
 
 
@@ -213,8 +238,13 @@ def _build_dataloader(
 ) -> DataLoader[Any] | None:
     if data is None:
         return None
-    sampler = DistributedSampler(data, num_replicas=comm.world_size, rank=comm.rank, shuffle=True)
+    sampler: DistributedSampler[Any] = DistributedSampler(
+        data, num_replicas=comm.world_size, rank=comm.rank, shuffle=True
+    )
     return DataLoader(
-        data, batch_size=cfg.train_micro_batch_size_per_gpu, sampler=sampler, collate_fn=collate_fn,
+        data,
+        batch_size=cfg.train_micro_batch_size_per_gpu,
+        sampler=sampler,
+        collate_fn=collate_fn,
         drop_last=cfg.dataloader_drop_last,
     )

@@ -98,15 +98,22 @@ class Comm:
         work = fn(*args, group=self.group, async_op=True, **kwargs)
         return Pending(work, what, self.rank, self.timeout)
 
-    def all_reduce(self, tensor: torch.Tensor, *, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
-                   what: str = "all_reduce") -> Pending:
+    def all_reduce(
+        self,
+        tensor: torch.Tensor,
+        *,
+        op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+        what: str = "all_reduce",
+    ) -> Pending:
         """Reduce ``tensor`` in place across ranks. Collective: call on all ranks."""
         if self.world_size == 1:
             return _DONE
         nbytes = 2 * tensor.numel() * tensor.element_size()
         return self._launch(what, "all_reduce", nbytes, dist.all_reduce, tensor, op=op)
 
-    def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor, *, what: str = "reduce_scatter") -> Pending:
+    def reduce_scatter(
+        self, output: torch.Tensor, full: torch.Tensor, *, what: str = "reduce_scatter"
+    ) -> Pending:
         """Sum ``full`` (``world_size * output.numel()`` elements) across ranks; this rank gets its slice.
 
         Collective: call on all ranks.
@@ -136,8 +143,9 @@ class Comm:
         if self.world_size == 1:
             return _DONE
         src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
-        return self._launch(what, "broadcast", tensor.numel() * tensor.element_size(), dist.broadcast, tensor,
-                            src=src)
+        return self._launch(
+            what, "broadcast", tensor.numel() * tensor.element_size(), dist.broadcast, tensor, src=src
+        )
 
     def barrier(self, *, what: str = "barrier") -> None:
         """Wait until every rank arrives (bounded by the timeout). Collective: call on all ranks."""
@@ -146,7 +154,10 @@ class Comm:
         Pending(dist.barrier(group=self.group, async_op=True), what, self.rank, self.timeout).wait()
 
     def all_gather_object(self, obj: Any) -> list[Any]:
-        """Every rank's picklable ``obj``, in rank order (small metadata only). Collective: call on all ranks."""
+        """Every rank's picklable ``obj``, in rank order (small metadata only).
+
+        Collective: call on all ranks.
+        """
         if self.world_size == 1:
             return [obj]
         out: list[Any] = [None] * self.world_size

@@ -60,5 +60,7 @@ def init_distributed(
     if backend == "nccl":
         torch.cuda.set_device(local_rank())
     dist.init_process_group(backend=backend, init_method=init_method or "env://", timeout=timeout)
-    logger.info("initialized %s process group: rank %d of %d", backend, dist.get_rank(), dist.get_world_size())
+    logger.info(
+        "initialized %s process group: rank %d of %d", backend, dist.get_rank(), dist.get_world_size()
+    )
     return True

@@ -24,6 +24,7 @@ from zeroshard.comm import Comm
 from zeroshard.config import ZeroshardConfig
 from zeroshard.flat_param import FlatUnit
 from zeroshard.grad_sync import GradientReducer
+from zeroshard.loss_scaler import LossScaleFloorError, LossScaler
 from zeroshard.memory import MemoryBreakdown, optimizer_state_bytes, predict
 from zeroshard.optimizer import ShardedStep
 from zeroshard.stages import StagePlan
@@ -51,6 +52,7 @@ class ZeroshardEngine(nn.Module):
         optimizer: torch.optim.Optimizer | None,
         lr_scheduler: Any | None,
         local_rank: int,
+        loss_scaler: LossScaler | None = None,
     ) -> None:
         super().__init__()
         self.module = module
@@ -63,6 +65,14 @@ class ZeroshardEngine(nn.Module):
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
         self.local_rank = local_rank
+        self.loss_scaler = loss_scaler
+        policy = self.units[0].policy if self.units else None
+        # A step is skipped when any rank's gradients are not finite: always under fp16 loss scaling,
+        # under bf16 when bf16.check_grad_overflow asks for it.
+        self._check_overflow = loss_scaler is not None or (
+            policy is not None and policy.compute == torch.bfloat16 and config.bf16.check_grad_overflow
+        )
+        self._cast_inputs = torch.float16 if config.fp16.enabled and config.fp16.auto_cast else None
         self.global_rank = comm.rank
         self.world_size = comm.world_size
         self.global_steps = 0
@@ -75,9 +85,13 @@ class ZeroshardEngine(nn.Module):
 
     # -- the loop ------------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._cast_inputs is not None:  # fp16.auto_cast: floating inputs follow the fp16 parameters
+            args, kwargs = _cast_floating((args, kwargs), self._cast_inputs)
         return self.module(*args, **kwargs)
 
-    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
+    def backward(
+        self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True
+    ) -> torch.Tensor:
         """Backpropagate ``loss`` (divided by gradient_accumulation_steps) and reduce gradients.
 
         Collective: call on all ranks, once per micro-batch.
@@ -88,9 +102,13 @@ class ZeroshardEngine(nn.Module):
                 f"backward() needs a scalar loss tensor, got {shape}; reduce it first, e.g. loss.mean()"
             )
         if not loss.requires_grad:
-            raise ValueError("backward() got a loss that does not require grad: was it computed under no_grad()?")
+            raise ValueError(
+                "backward() got a loss that does not require grad: was it computed under no_grad()?"
+            )
         if scale_wrt_gas and self.config.gradient_accumulation_steps > 1:
             loss = loss / self.config.gradient_accumulation_steps
+        if self.loss_scaler is not None:
+            loss = loss * self.loss_scaler.scale
         # Reduce on the boundary micro-step (every micro-step when the stage shards gradients).
         self.reducer.begin_backward(reduce=self.is_gradient_accumulation_boundary() and not self._no_sync)
         loss.backward(retain_graph=retain_graph)
@@ -117,26 +135,68 @@ class ZeroshardEngine(nn.Module):
                 "run the boundary micro-batch's backward() outside engine.no_sync()"
             )
         if self.optimizer is None:
-            raise RuntimeError("step() needs an optimizer: pass optimizer= to initialize() or an 'optimizer' block")
-        # Which parameters got a gradient anywhere: the others are skipped, as torch skips them.
-        self.sharded_step.attach_grads(self.reducer.global_has_grad())
-        self._grad_norm = self.sharded_step.grad_norm()
-        clip = self.config.gradient_clipping
-        if clip > 0:
-            # Same coefficient as torch.nn.utils.clip_grad_norm_.
-            coef = clip / (self._grad_norm + 1e-6)
-            if coef < 1.0:
-                self.sharded_step.scale_grads(coef)
-        self.optimizer.step()
-        self.sharded_step.detach_grads()
+            raise RuntimeError(
+                "step() needs an optimizer: pass optimizer= to initialize() or an 'optimizer' block"
+            )
+        step = self.sharded_step
+        step.prepare()
+        try:
+            if self._check_overflow and step.any_nonfinite():
+                self._skip_step()
+                return
+            scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+            # Which parameters got a gradient anywhere: the others are skipped, as torch skips them.
+            step.attach_grads(self.reducer.global_has_grad())
+            self._grad_norm = step.grad_norm() / scale
+            factor = 1.0 / scale  # unscale and clip in one pass over the gradients
+            clip = self.config.gradient_clipping
+            if clip > 0:
+                coef = clip / (self._grad_norm + 1e-6)  # the coefficient of torch.nn.utils.clip_grad_norm_
+                if coef < 1.0:
+                    factor *= coef
+            if factor != 1.0:
+                step.scale_grads(factor)
+            self.optimizer.step()
+        finally:
+            step.release()
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(False)
         if self.lr_scheduler is not None:
             self.lr_scheduler.step(**(lr_kwargs or {}))
-        self.sharded_step.gather_params()
+        step.gather_params()
+        self._finish_step()
+
+    def _skip_step(self) -> None:
+        """Some rank's gradients overflowed: no optimizer or scheduler step; shrink the loss scale."""
+        if self.loss_scaler is not None:
+            try:
+                self.loss_scaler.update(True)
+            except LossScaleFloorError as err:
+                names = sorted(
+                    {
+                        n
+                        for rank_names in self.comm.all_gather_object(self.sharded_step.nonfinite_names())
+                        for n in rank_names
+                    }
+                )
+                raise LossScaleFloorError(
+                    f"fp16 gradients overflowed at the minimum loss scale ({self.loss_scaler.min_scale:g}) "
+                    f"at step {self.global_steps}; parameters with non-finite gradients: "
+                    f"{', '.join(names) or '(none found)'}. Lower the learning rate or fp16.min_loss_scale, "
+                    "check the model for inf/NaN, or train in bf16 (bf16.enabled: true), whose range does "
+                    "not need loss scaling"
+                ) from err
+        self.skipped_steps += 1
+        self._grad_norm = None
+        logger.info("rank %d: step %d skipped: non-finite gradients", self.global_rank, self.global_steps)
+        self._finish_step()
+
+    def _finish_step(self) -> None:
         self.reducer.zero_grad()
         self.global_steps += 1
         self.global_samples += self.config.train_batch_size
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop accumulated gradients (the engine already does this after each step)."""
         self.reducer.zero_grad()
         for p in self.module.parameters():
@@ -198,10 +258,53 @@ class ZeroshardEngine(nn.Module):
             gradients=sum(h["gradients"] for h in held),
             optimizer_state=optimizer_state_bytes(self.optimizer) + sum(h["master"] for h in held),
             communication_buffers=self.reducer.peak_bucket_bytes,
-            predicted=predict(n, self.world_size, self.plan.stage, compute_bytes=compute_bytes,
-                              grad_bytes=grad_bytes, master_copy=master_copy),
+            predicted=predict(
+                n,
+                self.world_size,
+                self.plan.stage,
+                compute_bytes=compute_bytes,
+                grad_bytes=grad_bytes,
+                master_copy=master_copy,
+            ),
         )
 
     def communication_bytes(self) -> int:
         """Bytes moved by model-state collectives since the engine was built (see comm.py)."""
         return self.comm.stats.total_bytes
+
+    # -- checkpoints: zeroshard.checkpoint does the work -------------------------------------------------
+    def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict[str, Any] | None = None,
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> str:
+        """Sharded, atomic checkpoint (see zeroshard.checkpoint.save_checkpoint). Collective."""
+        from zeroshard.checkpoint import save_checkpoint
+
+        return save_checkpoint(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+
+    def load_checkpoint(self, load_dir: str, tag: str | None = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False) -> tuple[str | None, Any]:
+        """Load a checkpoint saved at any world size and stage (see zeroshard.checkpoint). Collective."""
+        from zeroshard.checkpoint import load_checkpoint
+
+        return load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
+                               load_lr_scheduler_states, load_module_only)
+
+    def save_16bit_model(self, save_dir: str, save_filename: str = "model.safetensors",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """Consolidated weights in the compute dtype, as safetensors (see zeroshard.checkpoint). Collective."""
+        from zeroshard.checkpoint import save_16bit_model
+
+        return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
+
+
+def _cast_floating(obj: Any, dtype: torch.dtype) -> Any:
+    """``obj`` with every floating-point tensor inside (tuples, lists, dicts) cast to ``dtype``."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(dtype) if obj.is_floating_point() else obj
+    if isinstance(obj, tuple):
+        return tuple(_cast_floating(o, dtype) for o in obj)
+    if isinstance(obj, list):
+        return [_cast_floating(o, dtype) for o in obj]
+    if isinstance(obj, dict):
+        return {k: _cast_floating(v, dtype) for k, v in obj.items()}
+    return obj

@@ -68,17 +68,18 @@ class FlatUnit:
         self.policy = policy
         self.layout = FlatLayout.for_shapes([p.numel() for p in params], world_size)
         device = params[0].device
+        lo, hi = self.layout.shard_range(rank)
+        separate_master = not (policy.master_is_compute and not plan.shard_parameters)
+        # A separate master is taken from the parameters as given (fp32 when the model was built in fp32)
+        # before they are cast to the compute dtype, so it starts exact.
+        master = self._gather_own_pieces(policy.master) if separate_master else None
         self.full = torch.zeros(self.layout.padded, dtype=policy.compute, device=device)
         with torch.no_grad():
             for param, offset in zip(self.params, self.layout.offsets, strict=True):
                 view = self.full[offset : offset + param.numel()].view_as(param)
                 view.copy_(param.detach())
                 param.data = view
-        lo, hi = self.layout.shard_range(rank)
-        if policy.master_is_compute and not plan.shard_parameters:
-            self.master = self.full[lo:hi]
-        else:
-            self.master = self.full[lo:hi].to(policy.master, copy=True)
+        self.master = master if master is not None else self.full[lo:hi]
         if plan.shard_gradients:
             self.grad_full: torch.Tensor | None = None
             self.grad_shard = torch.zeros(hi - lo, dtype=policy.accumulate, device=device)
@@ -87,6 +88,16 @@ class FlatUnit:
             self.grad_shard = self.grad_full[lo:hi]
         # Which parameters received a gradient since the last zero_grad (on this rank).
         self.has_grad = torch.zeros(len(self.params), dtype=torch.bool)
+
+    def _gather_own_pieces(self, dtype: torch.dtype) -> torch.Tensor:
+        """This rank's shard of the parameters' current values, as a new tensor of ``dtype``."""
+        out = torch.zeros(self.layout.shard_size, dtype=dtype, device=self.params[0].device)
+        for piece in self.layout.pieces(self.rank):
+            flat = self.params[piece.index].detach().reshape(-1)
+            out[piece.shard_start : piece.shard_start + piece.numel].copy_(
+                flat[piece.param_start : piece.param_start + piece.numel]
+            )
+        return out
 
     @property
     def numel(self) -> int:
@@ -128,8 +139,10 @@ class FlatUnit:
     def bytes_held(self) -> dict[str, int]:
         """Bytes of the tensors this unit owns, by kind (shared storage counted once)."""
         params = self.full.numel() * self.full.element_size()
-        grads = (self.grad_full if self.grad_full is not None else self.grad_shard)
-        master = 0 if self.master.data_ptr() == self.own_full_shard().data_ptr() else (
-            self.master.numel() * self.master.element_size()
+        grads = self.grad_full if self.grad_full is not None else self.grad_shard
+        master = (
+            0
+            if self.master.data_ptr() == self.own_full_shard().data_ptr()
+            else (self.master.numel() * self.master.element_size())
         )
         return {"parameters": params, "gradients": grads.numel() * grads.element_size(), "master": master}

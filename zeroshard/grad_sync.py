@@ -166,36 +166,42 @@ class GradientReducer:
     def _launch(self, unit: FlatUnit) -> None:
         before, after = self.averaging.before, self.averaging.after
         what = f"gradient {self.plan.reduce_op} of unit {unit.index} ({unit.names[0]}, ...)"
-        if unit.grad_full is not None and not self.plan.shard_optimizer:
-            full = unit.grad_full
-            if before != 1.0:
-                full.mul_(before)
-            pending = self.comm.all_reduce(full, what=what)
-
-            def then() -> None:
-                full.mul_(after)
-
-        elif unit.grad_full is not None:
-            full = unit.grad_full
-            if before != 1.0:
-                full.mul_(before)
-            out = torch.empty_like(unit.grad_shard)
-            pending = self.comm.reduce_scatter(out, full, what=what)
-
-            def then() -> None:
-                unit.grad_shard.copy_(out).mul_(after)
-
+        reduce_dtype = self.comm_dtype(unit)
+        if unit.grad_full is not None:
+            # Kept full gradients (stages 0, 1): reduce them at the boundary, in the reduce dtype.
+            kept = unit.grad_full
+            full = kept if kept.dtype == reduce_dtype else kept.to(reduce_dtype)
         else:
             bucket = self._buckets.pop(unit.index, None)
             if bucket is None:  # no parameter of this unit got a gradient on this rank
-                bucket = torch.zeros(unit.layout.padded, dtype=self.comm_dtype(unit), device=unit.full.device)
-            if before != 1.0:
-                bucket.mul_(before)
-            out = torch.empty(unit.layout.shard_size, dtype=bucket.dtype, device=bucket.device)
-            pending = self.comm.reduce_scatter(out, bucket, what=what)
+                bucket = torch.zeros(unit.layout.padded, dtype=reduce_dtype, device=unit.full.device)
+            full = bucket
+        if before != 1.0:
+            full.mul_(before)
+        if not self.plan.shard_optimizer:
+            kept_full = unit.grad_full
+            if kept_full is None:
+                raise RuntimeError(
+                    f"rank {self.comm.rank}: unit {unit.index} has no full gradient buffer to all-reduce"
+                )
+            pending = self.comm.all_reduce(full, what=what)
+            kept = kept_full
 
             def then() -> None:
-                unit.grad_shard.add_(out.to(unit.grad_shard.dtype), alpha=after)
+                if full is not kept:
+                    kept.copy_(full)
+                kept.mul_(after)
+
+        else:
+            out = torch.empty(unit.layout.shard_size, dtype=reduce_dtype, device=full.device)
+            pending = self.comm.reduce_scatter(out, full, what=what)
+            accumulate = unit.grad_full is None  # sharded gradients sum over micro-steps
+
+            def then() -> None:
+                if accumulate:
+                    unit.grad_shard.add_(out.to(unit.grad_shard.dtype), alpha=after)
+                else:
+                    unit.grad_shard.copy_(out).mul_(after)
 
         self._inflight.append((pending, then))
         if not self.overlap_comm:
@@ -207,7 +213,9 @@ class GradientReducer:
 
         Collective: call on all ranks.
         """
-        flags = torch.cat([u.has_grad for u in self.units]) if self.units else torch.zeros(0, dtype=torch.bool)
+        flags = (
+            torch.cat([u.has_grad for u in self.units]) if self.units else torch.zeros(0, dtype=torch.bool)
+        )
         merged = self.comm.any_true(flags)
         return list(torch.split(merged, [len(u.params) for u in self.units]))
 

@@ -24,9 +24,7 @@ from zeroshard.flat_param import FlatUnit, OptimizerSlice
 from zeroshard.stages import StagePlan
 
 
-def normalize_param_groups(
-    model: nn.Module, params: Iterable[Any] | None
-) -> list[dict[str, Any]]:
+def normalize_param_groups(model: nn.Module, params: Iterable[Any] | None) -> list[dict[str, Any]]:
     """Turn ``model_parameters`` (params, named params or group dicts) into group dicts of the model's params.
 
     Raises:
@@ -54,7 +52,9 @@ def normalize_param_groups(
                     "the model given to initialize(); pass model.parameters() or groups built from them"
                 )
             if id(p) in seen:
-                raise ValueError(f"model_parameters: parameter {owned[id(p)]!r} appears in more than one group")
+                raise ValueError(
+                    f"model_parameters: parameter {owned[id(p)]!r} appears in more than one group"
+                )
             seen.add(id(p))
         groups.append({**group, "params": plist})
     return groups
@@ -97,40 +97,70 @@ def reseat_optimizer(optimizer: torch.optim.Optimizer, sharded_groups: Sequence[
 
 
 class ShardedStep:
-    """Attaches reduced gradient shards to the optimizer's slices and runs one step.
+    """Turns reduced gradient shards into the optimizer's gradients and runs the post-step gather.
 
-    Collective: :meth:`grad_norm` (sharded stages) and :meth:`gather_params` must be called on all ranks.
+    The optimizer steps fp32 masters with fp32 gradients: where a unit's gradient shard is kept in a
+    16-bit dtype, :meth:`prepare` makes a transient fp32 copy for the step (dropped by :meth:`release`).
+
+    Collective: :meth:`grad_norm` (sharded stages), :meth:`any_nonfinite` and :meth:`gather_params` must be
+    called on all ranks.
     """
 
-    def __init__(self, units: Sequence[FlatUnit], slices: Sequence[OptimizerSlice], comm: Comm,
-                 plan: StagePlan) -> None:
+    def __init__(
+        self, units: Sequence[FlatUnit], slices: Sequence[OptimizerSlice], comm: Comm, plan: StagePlan
+    ) -> None:
         self.units = list(units)
         self.slices = list(slices)
         self.comm = comm
         self.plan = plan
+        self._grads: dict[int, torch.Tensor] = {}
+
+    def prepare(self) -> None:
+        """Make each unit's gradient shard available in the master dtype."""
+        self._grads = {
+            u.index: u.grad_shard if u.grad_shard.dtype == u.master.dtype else u.grad_shard.to(u.master.dtype)
+            for u in self.units
+        }
+
+    def release(self) -> None:
+        for sl in self.slices:
+            sl.master.grad = None
+        self._grads = {}
 
     def attach_grads(self, has_grad: Sequence[torch.Tensor]) -> None:
         """Give each slice its gradient, or None where no rank produced one for its parameter."""
         by_unit = {u.index: flags for u, flags in zip(self.units, has_grad, strict=True)}
         for sl in self.slices:
-            sl.master.grad = sl.grad if bool(by_unit[sl.unit.index][sl.piece.index]) else None
+            used = bool(by_unit[sl.unit.index][sl.piece.index])
+            start = sl.piece.shard_start
+            sl.master.grad = self._grads[sl.unit.index][start : start + sl.piece.numel] if used else None
 
-    def detach_grads(self) -> None:
+    def any_nonfinite(self) -> bool:
+        """Whether any rank's gradients hold inf or NaN (one small all-reduce)."""
+        local = torch.tensor([any(not bool(torch.isfinite(g).all()) for g in self._grads.values())])
+        return bool(self.comm.any_true(local, what="overflow flag all_reduce")[0])
+
+    def nonfinite_names(self) -> list[str]:
+        """Names of this rank's parameters whose gradient pieces are not finite."""
+        names = []
         for sl in self.slices:
-            sl.master.grad = None
+            start = sl.piece.shard_start
+            if not bool(torch.isfinite(self._grads[sl.unit.index][start : start + sl.piece.numel]).all()):
+                names.append(sl.unit.names[sl.piece.index])
+        return names
 
     def grad_norm(self) -> float:
         """Global L2 norm of the reduced gradients (one all-reduce when gradients are sharded)."""
         local = torch.zeros((), dtype=torch.float64)
-        for unit in self.units:
-            local += unit.grad_shard.double().pow(2).sum()
+        for grad in self._grads.values():
+            local += grad.double().pow(2).sum()
         if self.plan.shard_optimizer:
             local = self.comm.sum_scalar(local, what="gradient-norm all_reduce")
         return math.sqrt(float(local))
 
     def scale_grads(self, factor: float) -> None:
-        for unit in self.units:
-            unit.grad_shard.mul_(factor)
+        for grad in self._grads.values():
+            grad.mul_(factor)
 
     def gather_params(self) -> None:
         """Copy stepped masters into the full parameters; all-gather them where shards differ per rank."""
