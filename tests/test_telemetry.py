@@ -79,6 +79,7 @@ def test_log_lines_every_steps_per_print_on_rank_0(caplog: pytest.LogCaptureFixt
     silent = Telemetry.from_config(config(), rank=0, world_size=2)  # steps_per_print defaults to None: off
     silent.on_step(record(1))
     assert not [r for r in caplog.records if r.name == LOGGER]
+    assert (telemetry.reports, other.reports, silent.reports) == (True, False, False)
 
 
 def test_log_line_with_loss_scale_and_timers(caplog: pytest.LogCaptureFixture) -> None:

@@ -114,6 +114,15 @@ class Telemetry:
     def timers_enabled(self) -> bool:
         return self._timers.enabled
 
+    @property
+    def reports(self) -> bool:
+        """Whether `on_step` writes anything on this rank (rank 0 with `steps_per_print` or a monitor).
+
+        The engine may skip work only a report needs (the loss's `.item()`, which waits for the device,
+        or measuring memory) when this is False.
+        """
+        return self.rank == 0 and (bool(self.steps_per_print) or bool(self.monitors))
+
     def timer(self, name: str) -> AbstractContextManager[None]:
         """Times the block inside under `name` ("forward", "backward", "reduce", "step"); a shared no-op
         context manager when `wall_clock_breakdown` is off."""
