@@ -273,25 +273,45 @@ class ZeroshardEngine(nn.Module):
         return self.comm.stats.total_bytes
 
     # -- checkpoints: zeroshard.checkpoint does the work -------------------------------------------------
-    def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict[str, Any] | None = None,
-                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> str:
+    def save_checkpoint(
+        self,
+        save_dir: str,
+        tag: str | None = None,
+        client_state: dict[str, Any] | None = None,
+        save_latest: bool = True,
+        exclude_frozen_parameters: bool = False,
+    ) -> str:
         """Sharded, atomic checkpoint (see zeroshard.checkpoint.save_checkpoint). Collective."""
         from zeroshard.checkpoint import save_checkpoint
 
         return save_checkpoint(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
 
-    def load_checkpoint(self, load_dir: str, tag: str | None = None, load_module_strict: bool = True,
-                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-                        load_module_only: bool = False) -> tuple[str | None, Any]:
+    def load_checkpoint(
+        self,
+        load_dir: str,
+        tag: str | None = None,
+        load_module_strict: bool = True,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+    ) -> tuple[str | None, Any]:
         """Load a checkpoint saved at any world size and stage (see zeroshard.checkpoint). Collective."""
         from zeroshard.checkpoint import load_checkpoint
 
-        return load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
-                               load_lr_scheduler_states, load_module_only)
+        return load_checkpoint(
+            self,
+            load_dir,
+            tag,
+            load_module_strict,
+            load_optimizer_states,
+            load_lr_scheduler_states,
+            load_module_only,
+        )
 
-    def save_16bit_model(self, save_dir: str, save_filename: str = "model.safetensors",
-                         exclude_frozen_parameters: bool = False) -> bool:
-        """Consolidated weights in the compute dtype, as safetensors (see zeroshard.checkpoint). Collective."""
+    def save_16bit_model(
+        self, save_dir: str, save_filename: str = "model.safetensors", exclude_frozen_parameters: bool = False
+    ) -> bool:
+        """Consolidated weights in the compute dtype, safetensors (see zeroshard.checkpoint). Collective."""
         from zeroshard.checkpoint import save_16bit_model
 
         return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)

@@ -1,0 +1,255 @@
+"""The checkpoint format: file names, tensor keys, the JSON codec for non-tensor state, metadata I/O.
+
+[Note: checkpoint format]
+A checkpoint is a directory ``<save_dir>/<tag>/`` holding
+
+* ``shard-RRRRR-of-WWWWW.safetensors``, one per rank that owns master elements: for every piece of a
+  parameter in the rank's shard, the master values under ``"<name>|<start>:<end>"`` (elements
+  ``[start, end)`` of the flattened parameter) and each optimizer state tensor of that piece under
+  ``"<name>|<start>:<end>|<state>"`` (``exp_avg``, ``momentum_buffer``, ``step``, ...). Units that every
+  rank holds whole (stage 0) are written by the first rank only.
+* ``extra.safetensors``: the module's tensors that are not trained (frozen parameters, buffers), RNG
+  states, and any tensor found in client state, scheduler state or optimizer hyperparameters.
+* ``metadata.json``: everything else, and the index of the tensors above: parameter names, shapes, dtypes
+  and aliases (tied weights); per file its byte size, sha256 and the ``(name, start, end)`` ranges it holds
+  with their optimizer-state keys and param group; the world size, stage and unit layout it was saved
+  with; the config; counters; scheduler, loss scaler, RNG and client state as JSON.
+
+Nothing is pickled. Because tensors are keyed by parameter name and element range, loading at another
+world size or stage is arithmetic: each rank reads, from the files whose ranges overlap its new pieces,
+exactly the overlapping elements.
+
+``<save_dir>/latest`` holds the tag of the newest complete checkpoint (DeepSpeed's convention).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from zeroshard.checkpoint.errors import CheckpointError
+from zeroshard.checkpoint.tensorfile import fsync_dir
+
+logger = logging.getLogger(__name__)
+
+FORMAT = "zeroshard-checkpoint"
+VERSION = 1
+METADATA_FILE = "metadata.json"
+LATEST_FILE = "latest"
+EXTRA_FILE = "extra.safetensors"
+SEP = "|"
+_TMP_MARK = ".tmp-"
+_OLD_MARK = ".old-"
+
+
+def shard_file_name(rank: int, world_size: int) -> str:
+    return f"shard-{rank:05d}-of-{world_size:05d}.safetensors"
+
+
+def range_key(name: str, start: int, end: int, state: str | None = None) -> str:
+    """``"lin1.weight|0:105"``, or ``"lin1.weight|0:105|exp_avg"`` for optimizer state."""
+    key = f"{name}{SEP}{start}:{end}"
+    return key if state is None else f"{key}{SEP}{state}"
+
+
+def check_key_part(value: str, what: str) -> None:
+    if SEP in value:
+        raise CheckpointError(f"{what} {value!r} contains {SEP!r}, which checkpoint keys use as a separator")
+
+
+_TAG_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-+=]*")
+
+
+def check_tag(tag: str) -> None:
+    """A tag becomes a directory name: letters, digits and ``_ . - + =``, not starting with a dot."""
+    if not _TAG_RE.fullmatch(tag) or tag == LATEST_FILE:
+        raise ValueError(
+            f"checkpoint tag {tag!r} is not usable as a directory name: use letters, digits and _ . - + = "
+            f"(not starting with '.', and not {LATEST_FILE!r})"
+        )
+
+
+def temp_dir_name(tag: str, token: str) -> str:
+    return f".{tag}{_TMP_MARK}{token}"
+
+
+def old_dir_name(tag: str, token: str) -> str:
+    return f".{tag}{_OLD_MARK}{token}"
+
+
+# -- JSON codec ------------------------------------------------------------------------------------------
+# Non-tensor state (scheduler state, optimizer hyperparameters, client_state, RNG states) is stored as JSON.
+# Tensors found inside go to extra.safetensors and are replaced by {"__tensor__": key}; tuples and dicts
+# whose keys are not plain strings are tagged so that they decode to what was encoded.
+
+
+def encode(obj: Any, where: str, sink: dict[str, torch.Tensor]) -> Any:
+    """``obj`` as JSON-compatible data, moving tensors into ``sink`` under keys derived from ``where``.
+
+    Raises:
+        CheckpointError: an object that JSON cannot represent without pickle, named by its path.
+    """
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if isinstance(obj, torch.Tensor):
+        sink[where] = obj.detach()
+        return {"__tensor__": where}
+    if isinstance(obj, torch.dtype):
+        return {"__dtype__": str(obj).removeprefix("torch.")}
+    if isinstance(obj, tuple):
+        return {"__tuple__": [encode(v, f"{where}[{i}]", sink) for i, v in enumerate(obj)]}
+    if isinstance(obj, list):
+        return [encode(v, f"{where}[{i}]", sink) for i, v in enumerate(obj)]
+    if isinstance(obj, Mapping):
+        if all(isinstance(k, str) and not k.startswith("__") for k in obj):
+            return {k: encode(v, f"{where}.{k}", sink) for k, v in obj.items()}
+        return {
+            "__items__": [
+                [encode(k, f"{where}<key{i}>", sink), encode(v, f"{where}[{k!r}]", sink)]
+                for i, (k, v) in enumerate(obj.items())
+            ]
+        }
+    item = getattr(obj, "item", None)  # numpy scalars
+    if callable(item) and type(obj).__module__ == "numpy":
+        return encode(item(), where, sink)
+    raise CheckpointError(
+        f"{where}: a {type(obj).__module__}.{type(obj).__qualname__} cannot be stored in a checkpoint "
+        "(checkpoints hold tensors and JSON values only, never pickles): convert it to numbers, strings, "
+        "lists, dicts or tensors"
+    )
+
+
+def decode(obj: Any, load: Callable[[str], torch.Tensor]) -> Any:
+    """The inverse of :func:`encode`; ``load(key)`` returns a tensor stored by it."""
+    if isinstance(obj, list):
+        return [decode(v, load) for v in obj]
+    if not isinstance(obj, dict):
+        return obj
+    if set(obj) == {"__tensor__"}:
+        return load(obj["__tensor__"])
+    if set(obj) == {"__dtype__"}:
+        dtype = getattr(torch, obj["__dtype__"], None)
+        if not isinstance(dtype, torch.dtype):
+            raise CheckpointError(f"unknown dtype {obj['__dtype__']!r} in checkpoint metadata")
+        return dtype
+    if set(obj) == {"__tuple__"}:
+        return tuple(decode(v, load) for v in obj["__tuple__"])
+    if set(obj) == {"__items__"}:
+        return {_hashable(decode(k, load)): decode(v, load) for k, v in obj["__items__"]}
+    return {k: decode(v, load) for k, v in obj.items()}
+
+
+def _hashable(key: Any) -> Any:
+    return tuple(key) if isinstance(key, list) else key
+
+
+# -- metadata and `latest` -------------------------------------------------------------------------------
+
+
+def write_json(path: str, obj: Any) -> None:
+    """Write ``obj`` as JSON to ``path`` and fsync it (callers rename it into place)."""
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_latest(save_dir: str, tag: str, token: str) -> None:
+    """Point ``latest`` at ``tag`` atomically: readers see the old tag or the new, never a partial file."""
+    tmp = os.path.join(save_dir, f".{LATEST_FILE}{_TMP_MARK}{token}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(tag)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(save_dir, LATEST_FILE))
+    fsync_dir(save_dir)
+
+
+def read_latest(load_dir: str) -> str | None:
+    path = os.path.join(load_dir, LATEST_FILE)
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        tag = f.read().strip()
+    if not tag:
+        raise CheckpointError(f"{path} is empty: it should name the tag of the newest checkpoint")
+    return tag
+
+
+def resolve(load_dir: str, tag: str | None) -> str | None:
+    """The checkpoint directory for ``tag`` (default: the one ``latest`` names); None without ``latest``.
+
+    ``load_dir`` may also be a checkpoint directory itself (it holds metadata.json). A tag whose directory
+    is missing while a save was replacing it (it then sits under ``.<tag>.old-*``) resolves to that copy.
+
+    Raises:
+        CheckpointError: the tag's directory does not exist.
+    """
+    if tag is None and os.path.isfile(os.path.join(load_dir, METADATA_FILE)):
+        return load_dir
+    if tag is None:
+        tag = read_latest(load_dir)
+        if tag is None:
+            return None
+    path = os.path.join(load_dir, tag)
+    if os.path.isdir(path):
+        return path
+    prefix = f".{tag}{_OLD_MARK}"
+    olds = sorted(n for n in _listdir(load_dir) if n.startswith(prefix))
+    if olds:
+        logger.warning(
+            "checkpoint %s is missing; a save replacing it was interrupted, using %s", path, olds[-1]
+        )
+        return os.path.join(load_dir, olds[-1])
+    raise CheckpointError(f"checkpoint directory {path} does not exist")
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
+def stale_temp_dirs(save_dir: str) -> list[str]:
+    """Directories that interrupted saves left behind (never a published checkpoint)."""
+    return [
+        os.path.join(save_dir, n)
+        for n in _listdir(save_dir)
+        if n.startswith(".") and (_TMP_MARK in n or _OLD_MARK in n)
+    ]
+
+
+def read_metadata(path: str) -> dict[str, Any]:
+    """Read and check ``<path>/metadata.json``.
+
+    Raises:
+        CheckpointError: no metadata (with a hint when it is a DeepSpeed checkpoint), bad JSON, or a
+            format or version this zeroshard cannot read.
+    """
+    file = os.path.join(path, METADATA_FILE)
+    if not os.path.isfile(file):
+        hint = ""
+        if any(n.endswith("model_states.pt") for n in _listdir(path)):
+            hint = (
+                " (it looks like a DeepSpeed checkpoint, which holds pickles; zeroshard does not load those)"
+            )
+        raise CheckpointError(f"{path} is not a zeroshard checkpoint: it has no {METADATA_FILE}{hint}")
+    try:
+        with open(file, encoding="utf-8") as f:
+            meta = json.load(f)
+    except ValueError as err:
+        raise CheckpointError(f"{file} is not valid JSON ({err}): the checkpoint is corrupt") from err
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise CheckpointError(f"{file} does not describe a {FORMAT}")
+    if meta.get("version") != VERSION:
+        raise CheckpointError(
+            f"{file} has format version {meta.get('version')}; this zeroshard reads version {VERSION}"
+        )
+    return meta
