@@ -57,8 +57,14 @@ def micro_batch(
     return x[i : i + m], y[i : i + m]
 
 
-def config(stage: int, world_size: int, gas: int = 1) -> dict[str, Any]:
+def config(stage: int, world_size: int, gas: int = 1, precision: str = "fp32") -> dict[str, Any]:
+    mixed: dict[str, Any] = {}
+    if precision == "bf16":
+        mixed = {"bf16": {"enabled": True}}
+    elif precision == "fp16":  # a small initial scale that grows every 2 steps: the scaler's state moves
+        mixed = {"fp16": {"enabled": True, "initial_scale_power": 4, "loss_scale_window": 2, "hysteresis": 1}}
     return {
+        **mixed,
         "train_batch_size": GLOBAL,
         "train_micro_batch_size_per_gpu": GLOBAL // (world_size * gas),
         "gradient_accumulation_steps": gas,
@@ -72,11 +78,17 @@ def config(stage: int, world_size: int, gas: int = 1) -> dict[str, Any]:
 
 
 def build(
-    stage: int, world_size: int, gas: int = 1, seed: int = 0, group: dist.ProcessGroup | None = None
+    stage: int,
+    world_size: int,
+    gas: int = 1,
+    seed: int = 0,
+    group: dist.ProcessGroup | None = None,
+    precision: str = "fp32",
 ) -> zeroshard.ZeroshardEngine:
     model = make_model(seed)
+    cfg = config(stage, world_size, gas, precision)
     engine, _, _, _ = zeroshard.initialize(
-        model=model, model_parameters=two_groups(model), config=config(stage, world_size, gas), group=group
+        model=model, model_parameters=two_groups(model), config=cfg, group=group
     )
     return engine
 
@@ -300,9 +312,73 @@ def errors_worker(rank: int, world_size: int, root: str) -> None:
         assert_equal_params(get_fp32_state_dict(ckpt), params(engine), "get_fp32_state_dict")
 
 
+def masters(engine: zeroshard.ZeroshardEngine) -> dict[str, torch.Tensor]:
+    """Every trained parameter's fp32 master, gathered (collective at stages 1-2)."""
+    return {
+        name: _gather_from_masters(engine, unit, i).reshape(unit.params[i].shape).clone()
+        for unit in engine.units
+        for i, name in enumerate(unit.names)
+    }
+
+
+def precision_worker(rank: int, world_size: int, root: str) -> None:
+    """bf16 and fp16: exact round trips with the loss scaler; fp32 <-> bf16 checkpoints load both ways."""
+    for precision, stage in (("bf16", 2), ("fp16", 1)):
+        ckpt = os.path.join(root, precision)
+        ref = build(stage, world_size, precision=precision)
+        train(ref, rank, world_size, K + N)
+        engine = build(stage, world_size, precision=precision)
+        train(engine, rank, world_size, K)
+        saved = masters(engine)
+        engine.save_checkpoint(ckpt)
+        fresh = build(stage, world_size, seed=1, precision=precision)
+        fresh.load_checkpoint(ckpt)
+        assert_equal_params(masters(fresh), saved, f"{precision} masters")
+        assert_equal_params(params(fresh), params(engine), f"{precision} 16-bit parameters")
+        if precision == "fp16":
+            assert engine.loss_scaler is not None and fresh.loss_scaler is not None
+            assert engine.loss_scaler.scale > 2.0**4, "the loss scale never moved"
+            assert fresh.loss_scaler.state_dict() == engine.loss_scaler.state_dict()
+        train(fresh, rank, world_size, K + N)
+        assert_equal_params(params(fresh), params(ref), f"{precision} resumed")
+        assert_equal_params(masters(fresh), masters(ref), f"{precision} resumed masters")
+
+        # Exports: the 16-bit weights as trained, or the fp32 masters (gathered from the shards).
+        engine.save_16bit_model(os.path.join(root, f"{precision}-16bit"))
+        save_pretrained(engine, os.path.join(root, f"{precision}-fp32"), dtype=torch.float32)
+        if rank == 0:
+            model16 = load_consolidated(
+                make_model(3).to(torch.bfloat16 if precision == "bf16" else torch.float16),
+                os.path.join(root, f"{precision}-16bit"),
+            )
+            assert_equal_params(
+                dict(model16.named_parameters()), dict(engine.module.named_parameters()), "16-bit"
+            )
+            model32 = load_consolidated(make_model(3), os.path.join(root, f"{precision}-fp32"))
+            assert_equal_params(
+                {n: p for n, p in model32.named_parameters() if n in saved}, saved, "fp32 export"
+            )
+
+    # An fp32 checkpoint into a bf16 engine: exact fp32 masters, bf16 parameters cast from them; and back.
+    fp32 = build(1, world_size)
+    train(fp32, rank, world_size, K)
+    fp32.save_checkpoint(os.path.join(root, "fp32"))
+    into_bf16 = build(2, world_size, seed=1, precision="bf16")
+    into_bf16.load_checkpoint(os.path.join(root, "fp32"))
+    assert_equal_params(masters(into_bf16), masters(fp32), "fp32 -> bf16 masters")
+    loaded = params(into_bf16)  # the engine holds frozen parameters in bf16 too: a cast of the saved fp32
+    assert_equal_params(loaded, {n: t.to(loaded[n].dtype) for n, t in params(fp32).items()}, "fp32 -> bf16")
+    into_fp32 = build(0, world_size, seed=1)
+    into_fp32.load_checkpoint(os.path.join(root, "bf16"))
+    bf16_truth = build(2, world_size, precision="bf16")
+    bf16_truth.load_checkpoint(os.path.join(root, "bf16"))
+    assert_equal_params(masters(into_fp32), masters(bf16_truth), "bf16 -> fp32 masters")
+
+
 def round_trip_and_errors_worker(rank: int, world_size: int, root: str) -> None:
     round_trip_worker(rank, world_size, os.path.join(root, "round_trips"))
     errors_worker(rank, world_size, os.path.join(root, "errors"))
+    precision_worker(rank, world_size, os.path.join(root, "precision"))
 
 
 def test_round_trips_bad_checkpoints_and_exports_world_size_2(tmp_path: Any) -> None:

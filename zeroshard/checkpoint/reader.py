@@ -26,6 +26,8 @@ SCALAR = "scalar"  # a 0-dim tensor, the same for every piece of the parameter (
 FIXED = "fixed"  # a tensor of another shape: loads only into the same range it was saved from
 VALUE = "value"  # a JSON value (int, float, ...), kept in metadata.json
 
+_CAST_CHUNK = 1 << 20  # elements read per step when the stored dtype is cast on the way in
+
 
 @dataclass(frozen=True)
 class SavedRange:
@@ -179,7 +181,12 @@ class CheckpointReader:
         f = self._file(fname)
         if out is None or out.dtype == f.dtype(key):
             return f.read(key, start, end, out=out)
-        out.copy_(f.read(key, start, end))
+        # A cast: through a bounded buffer, so a large parameter never has a second full-size copy.
+        step = min(end - start, _CAST_CHUNK)
+        buffer = torch.empty(step, dtype=f.dtype(key))
+        for lo in range(start, end, step):
+            hi = min(lo + step, end)
+            out[lo - start : hi - start].copy_(f.read(key, lo, hi, out=buffer[: hi - lo]))
         return out
 
     def read_full(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -145,6 +145,7 @@ def write_tensors(
             f.write(data)
             digest.update(data)
             written += len(data)
+            del tensor, data  # before the next tensor is produced: one in memory at a time
         f.flush()
         os.fsync(f.fileno())
     return FileRecord(nbytes=written, sha256=digest.hexdigest())
