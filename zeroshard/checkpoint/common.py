@@ -105,5 +105,11 @@ def group_index(optimizer: torch.optim.Optimizer | None) -> dict[int, int]:
     return {id(t): gi for gi, g in enumerate(optimizer.param_groups) for t in g["params"]}
 
 
+def param_shape(unit: FlatUnit, index: int) -> tuple[int, ...]:
+    """The true shape of a unit's parameter, also while it is an empty placeholder (stage 3 between uses)."""
+    shapes = getattr(unit, "shapes", None)
+    return tuple(shapes[index] if shapes is not None else unit.params[index].shape)
+
+
 def master_view(unit: FlatUnit, piece: Piece) -> torch.Tensor:
     return unit.master[piece.shard_start : piece.shard_start + piece.numel]

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from zeroshard.checkpoint.common import collectively, module_names, untrained_state
+from zeroshard.checkpoint.common import collectively, module_names, param_shape, untrained_state
 from zeroshard.checkpoint.errors import CheckpointError
 from zeroshard.checkpoint.format import FORMAT
 from zeroshard.checkpoint.tensorfile import TensorFile, TensorSpec, fsync_dir, write_tensors
@@ -183,7 +183,7 @@ def live_state(
                 entries.append((key, functools.partial(torch.Tensor.detach, param)))
             else:
                 entries.append((key, functools.partial(_gather_from_masters, engine, unit, i)))
-            shape = tuple(unit.params[i].shape)
+            shape = param_shape(unit, i)
         else:
             value = untrained.get(key)
             if not isinstance(value, torch.Tensor):

@@ -22,6 +22,7 @@ from zeroshard.checkpoint.common import (
     group_index,
     master_view,
     module_names,
+    param_shape,
     untrained_state,
 )
 from zeroshard.checkpoint.errors import CheckpointError
@@ -116,7 +117,7 @@ def _plan(engine: ZeroshardEngine, reader: CheckpointReader, strict: bool, with_
             stored = reader.canonical(name)
             if stored is None:
                 continue  # missing: reported by _check_names when strict
-            _check_shape(reader, name, stored, tuple(unit.params[piece.index].shape))
+            _check_shape(reader, name, stored, param_shape(unit, piece.index))
             plan.pieces.append((unit, piece, stored))
             end = piece.param_start + piece.numel
             plan.files.update(reader.files_for(stored, piece.param_start, end))

@@ -37,6 +37,7 @@ from zeroshard.checkpoint.common import (
     group_index,
     master_view,
     module_names,
+    param_shape,
     slice_of,
     untrained_state,
     written_pieces,
@@ -227,9 +228,9 @@ def _metadata(
         "stage": engine.plan.stage,
         "master_dtype": dtype_name(engine.units[0].master.dtype if engine.units else torch.float32),
         "parameters": {
-            name: {"shape": list(p.shape), "dtype": dtype_name(p.dtype), "unit": unit.index}
+            name: {"shape": list(param_shape(unit, i)), "dtype": dtype_name(p.dtype), "unit": unit.index}
             for unit in engine.units
-            for name, p in zip(unit.names, unit.params, strict=True)
+            for i, (name, p) in enumerate(zip(unit.names, unit.params, strict=True))
         },
         "aliases": names.aliases,
         "state_dict_keys": names.state_keys,
