@@ -33,6 +33,7 @@ import torch
 
 from zeroshard.checkpoint import rng
 from zeroshard.checkpoint.common import (
+    Names,
     collectively,
     group_index,
     master_view,
@@ -210,15 +211,6 @@ def _metadata(
         for g in gathered
         if g["file"] is not None
     }
-    module_entries: dict[str, Any] = {}
-    for key, value in untrained_state(engine.module, names).items():
-        if isinstance(value, torch.Tensor):
-            if exclude_frozen and isinstance(value, torch.nn.Parameter):
-                continue
-            sink[f"module/{key}"] = value.detach()
-            module_entries[key] = {"key": f"module/{key}", "dtype": dtype_name(value.dtype)}
-        else:
-            module_entries[key] = {"value": encode(value, f"module.{key}", sink)}
     meta: dict[str, Any] = {
         "format": FORMAT,
         "version": VERSION,
@@ -239,7 +231,7 @@ def _metadata(
             for u in engine.units
         ],
         "files": files,
-        "module": module_entries,
+        "module": _module_entries(engine, names, exclude_frozen, sink),
         "optimizer": _optimizer_meta(engine, files, sink),
         "lr_scheduler": _state_meta(engine.lr_scheduler, "lr_scheduler", sink),
         "loss_scaler": _state_meta(getattr(engine, "loss_scaler", None), "loss_scaler", sink),
@@ -262,6 +254,22 @@ def _metadata(
     )
     files[EXTRA_FILE] = {"bytes": record.nbytes, "sha256": record.sha256, "rank": None, "ranges": []}
     return meta
+
+
+def _module_entries(
+    engine: ZeroshardEngine, names: Names, exclude_frozen: bool, sink: dict[str, torch.Tensor]
+) -> dict[str, Any]:
+    """The module's untrained state (frozen parameters, buffers, extra state): tensors into ``sink``."""
+    entries: dict[str, Any] = {}
+    for key, value in untrained_state(engine.module, names).items():
+        if isinstance(value, torch.Tensor):
+            if exclude_frozen and isinstance(value, torch.nn.Parameter):
+                continue
+            sink[f"module/{key}"] = value.detach()
+            entries[key] = {"key": f"module/{key}", "dtype": dtype_name(value.dtype)}
+        else:
+            entries[key] = {"value": encode(value, f"module.{key}", sink)}
+    return entries
 
 
 def _optimizer_meta(engine: ZeroshardEngine, files: dict[str, Any], sink: dict[str, torch.Tensor]) -> Any:
