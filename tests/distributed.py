@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import os
 import queue
+import sys
 import tempfile
 import time
 import traceback
@@ -31,6 +32,7 @@ def _entry(
 ) -> None:
     torch.set_num_threads(1)
     os.environ.pop("WORLD_SIZE", None)  # workers join through the file rendezvous, not torchrun's env
+    os.environ["ZEROSHARD_COLLECTIVE_TIMEOUT_S"] = str(collective_timeout)
     try:
         dist.init_process_group(
             "gloo",
@@ -42,7 +44,9 @@ def _entry(
         value = fn(rank, world_size, *args)
         results.put((rank, "ok", value))
     except BaseException:
-        results.put((rank, "error", traceback.format_exc()))
+        tb = traceback.format_exc()
+        sys.stderr.write(f"[rank {rank}] {tb}")
+        results.put((rank, "error", tb))
         raise SystemExit(1) from None
     finally:
         if dist.is_initialized():
@@ -83,8 +87,15 @@ def run_distributed(
             try:
                 rank, status, value = results.get(timeout=min(remaining, 1.0))
             except queue.Empty:
-                if all(not p.is_alive() for p in procs) and results.empty():
-                    break  # every worker exited; a crash before reporting shows as a missing rank
+                if all(not p.is_alive() for p in procs):
+                    # Every worker exited: take what is still in the pipe; a rank that crashed before
+                    # reporting shows as missing.
+                    try:
+                        while True:
+                            rank, status, value = results.get(timeout=2)
+                            (out.__setitem__(rank, value) if status == "ok" else errors.append((rank, value)))
+                    except queue.Empty:
+                        break
                 continue
             if status == "ok":
                 out[rank] = value
@@ -97,11 +108,13 @@ def run_distributed(
                 p.kill()
                 p.join()
     if errors:
-        rank, tb = errors[0]
-        raise AssertionError(
-            f"rank {rank} of {world_size} failed:\n"
-            + "".join(f"[rank {rank}] {line}\n" for line in tb.splitlines())
-        )
+        # A crash on one rank shows up on the others as a broken connection: put the cause first.
+        def secondary(tb: str) -> bool:
+            return "Connection reset by peer" in tb or "Connection closed by peer" in tb
+
+        errors.sort(key=lambda e: (secondary(e[1]), e[0]))
+        parts = ["".join(f"[rank {rank}] {line}\n" for line in tb.splitlines()) for rank, tb in errors]
+        raise AssertionError(f"rank {errors[0][0]} of {world_size} failed:\n" + "\n".join(parts))
     if len(out) < world_size:
         missing = sorted(set(range(world_size)) - set(out))
         codes = {r: procs[r].exitcode for r in missing}

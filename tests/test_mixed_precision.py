@@ -124,7 +124,7 @@ def _cases(precisions: tuple[str, ...]) -> list[dict[str, Any]]:
     out = []
     i = 0
     for precision in precisions:
-        for stage in (0, 1, 2):
+        for stage in (0, 1, 2, 3):
             for gas in (1, 3):
                 out.append(
                     {

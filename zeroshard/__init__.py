@@ -6,6 +6,7 @@ from zeroshard.build import initialize
 from zeroshard.config import ZeroshardConfig, add_config_arguments
 from zeroshard.dist import init_distributed
 from zeroshard.engine import ZeroshardEngine
+from zeroshard.hooks import register_external_parameter, set_z3_leaf_modules
 from zeroshard.memory import MemoryBreakdown
 
 __version__ = "0.1.0"
@@ -18,4 +19,6 @@ __all__ = [
     "add_config_arguments",
     "init_distributed",
     "initialize",
+    "register_external_parameter",
+    "set_z3_leaf_modules",
 ]

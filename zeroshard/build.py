@@ -15,13 +15,14 @@ from zeroshard.comm import Comm
 from zeroshard.config import ZeroshardConfig, load_config, resolve_config_source
 from zeroshard.dist import init_distributed, local_rank
 from zeroshard.engine import ZeroshardEngine
-from zeroshard.flat_param import FlatUnit
 from zeroshard.grad_sync import Averaging, GradientReducer
+from zeroshard.hooks import ParameterGatherer
 from zeroshard.lr_schedules import build_scheduler
 from zeroshard.optim_factory import build_optimizer, check_optimizer_for_stage
 from zeroshard.optimizer import ShardedStep, normalize_param_groups, reseat_optimizer, shard_param_groups
-from zeroshard.precision import DtypePolicy, loss_scaler_from_config, policy_from_config
+from zeroshard.precision import loss_scaler_from_config, policy_from_config
 from zeroshard.stages import StagePlan, plan_for
+from zeroshard.units import build_units
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +77,8 @@ def initialize(
 
     groups = normalize_param_groups(model, client_opt.param_groups if client_opt else model_parameters)
     _broadcast_from_rank0(model, comm)
-    units = _build_units(model, cfg, plan, policy, comm)
+    built = build_units(model, cfg, plan, policy, comm)
+    units = built.units
     if policy.mixed:
         # Frozen parameters and floating buffers follow the compute dtype; unit parameters already do.
         model.to(dtype=policy.compute)
@@ -92,6 +94,18 @@ def initialize(
         overlap_comm=cfg.zero_optimization.overlap_comm,
     )
     reducer.register_hooks()
+    gatherer = None
+    if built.module_units:
+        zero = cfg.zero_optimization
+        gatherer = ParameterGatherer(
+            built.module_units,
+            comm.new_channel(),  # parameter gathers on their own group: see Comm.new_channel
+            prefetch_elements=zero.prefetch_bucket_size,
+            max_live_elements=zero.max_live_parameters,
+            max_reuse_distance=zero.max_reuse_distance,
+        )
+        gatherer.register()
+        reducer.on_reduced = gatherer.on_reduced
     engine = ZeroshardEngine(
         model,
         config=cfg,
@@ -104,6 +118,7 @@ def initialize(
         lr_scheduler=scheduler,
         local_rank=local_rank(),
         loss_scaler=loss_scaler_from_config(cfg),
+        gatherer=gatherer,
     )
     loader = _build_dataloader(training_data, cfg, comm, collate_fn)
     return engine, opt, loader, scheduler
@@ -117,53 +132,6 @@ def _hidden_size(model: nn.Module) -> int | None:
         if isinstance(value, int):
             return value
     return None
-
-
-def _build_units(
-    model: nn.Module, cfg: ZeroshardConfig, plan: StagePlan, policy: DtypePolicy, comm: Comm
-) -> list[FlatUnit]:
-    """Group trainable parameters into units of at most ``reduce_bucket_size`` elements, in order.
-
-    A unit holds parameters of one dtype and device; frozen parameters stay where they are, untouched.
-    """
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    allowed = {torch.float32, policy.compute}
-    for name, p in named:
-        if p.dtype not in allowed:
-            raise ValueError(
-                f"parameter {name!r} is {p.dtype}; with this config zeroshard trains in {policy.compute} and "
-                f"expects {' or '.join(sorted(str(d) for d in allowed))} parameters: convert the model "
-                "(model.float()) or enable the matching bf16/fp16 block"
-            )
-    limit = max(1, cfg.zero_optimization.reduce_bucket_size)
-    shard_world = comm.world_size if plan.shard_optimizer else 1
-    shard_rank = comm.rank if plan.shard_optimizer else 0
-    units: list[FlatUnit] = []
-    current: list[tuple[str, nn.Parameter]] = []
-    size = 0
-
-    def close() -> None:
-        units.append(
-            FlatUnit(
-                len(units),
-                [p for _, p in current],
-                [n for n, _ in current],
-                rank=shard_rank,
-                world_size=shard_world,
-                plan=plan,
-                policy=policy,
-            )
-        )
-
-    for name, p in named:
-        if current and (size + p.numel() > limit or p.device != current[0][1].device):
-            close()
-            current, size = [], 0
-        current.append((name, p))
-        size += p.numel()
-    if current:
-        close()
-    return units
 
 
 def _broadcast_from_rank0(model: nn.Module, comm: Comm) -> None:

@@ -15,6 +15,7 @@ counted.
 from __future__ import annotations
 
 import datetime
+import os
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +24,21 @@ import torch
 import torch.distributed as dist
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
+TIMEOUT_ENV = "ZEROSHARD_COLLECTIVE_TIMEOUT_S"
+
+
+def collective_timeout() -> datetime.timedelta:
+    """How long any collective may wait: ``$ZEROSHARD_COLLECTIVE_TIMEOUT_S`` seconds, else 10 minutes."""
+    raw = os.environ.get(TIMEOUT_ENV)
+    if raw is None:
+        return DEFAULT_TIMEOUT
+    try:
+        seconds = float(raw)
+    except ValueError:
+        raise ValueError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
+    if seconds <= 0:
+        raise ValueError(f"{TIMEOUT_ENV}={raw!r} must be > 0")
+    return datetime.timedelta(seconds=seconds)
 
 
 @dataclass
@@ -78,20 +94,36 @@ class Comm:
     """Collectives over one data-parallel process group, with byte counting and timeouts.
 
     ``group=None`` with no initialized process group means world size 1: every collective is the identity.
-    ``timeout=None`` bounds every wait by the process group's own timeout (``init_distributed(timeout=)``).
+    ``timeout=None`` means :func:`collective_timeout`.
 
     Collective: every method that moves data must be called on all ranks of ``group``, in the same order.
     """
 
     def __init__(self, group: dist.ProcessGroup | None = None, timeout: datetime.timedelta | None = None):
         self.group = group
-        self.timeout = timeout
+        self.timeout = timeout or collective_timeout()
         self.stats = CommStats()
         if dist.is_available() and dist.is_initialized():
             self.rank = dist.get_rank(group)
             self.world_size = dist.get_world_size(group)
         else:
             self.rank, self.world_size = 0, 1
+
+    def new_channel(self) -> Comm:
+        """A second group over the same ranks, sharing this one's byte counts.
+
+        Collectives on different groups never wait for each other, so traffic issued from different
+        places (stage-3 parameter gathers from module hooks, gradient reductions from gradient hooks) can
+        interleave differently on different ranks without deadlocking. Collective: call on all ranks
+        (of the default group, as ``torch.distributed.new_group`` requires).
+        """
+        if self.world_size == 1:
+            twin = Comm(None, self.timeout)
+        else:
+            ranks = dist.get_process_group_ranks(self.group) if self.group is not None else None
+            twin = Comm(dist.new_group(ranks=ranks, timeout=self.timeout), self.timeout)
+        twin.stats = self.stats
+        return twin
 
     def _launch(self, what: str, kind: str, nbytes: int, fn: Any, *args: Any, **kwargs: Any) -> Pending:
         self.stats.add(kind, nbytes)
@@ -163,6 +195,21 @@ class Comm:
         out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, obj, group=self.group)
         return out
+
+    def agree(self, value: int, *, what: str) -> list[int]:
+        """Every rank's ``value``, in rank order (one tiny fixed-size all-gather; not counted as traffic).
+
+        Used before collectives whose sequence depends on control flow, so that ranks that took different
+        paths meet in this check, which always matches in size, and can say so, instead of in a
+        collective of another size. Collective: call on all ranks.
+        """
+        if self.world_size == 1:
+            return [value]
+        mine = torch.tensor([value], dtype=torch.int64)
+        out = torch.empty(self.world_size, dtype=torch.int64)
+        fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        Pending(fn(out, mine, group=self.group, async_op=True), what, self.rank, self.timeout).wait()
+        return [int(v) for v in out]
 
     def any_true(self, flags: torch.Tensor, *, what: str = "flag all_reduce") -> torch.Tensor:
         """Element-wise logical OR of a bool/uint8 tensor across ranks (small; not counted as model traffic).

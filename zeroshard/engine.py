@@ -24,6 +24,7 @@ from zeroshard.comm import Comm
 from zeroshard.config import ZeroshardConfig
 from zeroshard.flat_param import FlatUnit
 from zeroshard.grad_sync import GradientReducer
+from zeroshard.hooks import ParameterGatherer
 from zeroshard.loss_scaler import LossScaleFloorError, LossScaler
 from zeroshard.memory import MemoryBreakdown, optimizer_state_bytes, predict
 from zeroshard.optimizer import ShardedStep
@@ -53,6 +54,7 @@ class ZeroshardEngine(nn.Module):
         lr_scheduler: Any | None,
         local_rank: int,
         loss_scaler: LossScaler | None = None,
+        gatherer: ParameterGatherer | None = None,
     ) -> None:
         super().__init__()
         self.module = module
@@ -66,6 +68,7 @@ class ZeroshardEngine(nn.Module):
         self.lr_scheduler = lr_scheduler
         self.local_rank = local_rank
         self.loss_scaler = loss_scaler
+        self.gatherer = gatherer
         policy = self.units[0].policy if self.units else None
         # A step is skipped when any rank's gradients are not finite: always under fp16 loss scaling,
         # under bf16 when bf16.check_grad_overflow asks for it.
@@ -87,7 +90,19 @@ class ZeroshardEngine(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._cast_inputs is not None:  # fp16.auto_cast: floating inputs follow the fp16 parameters
             args, kwargs = _cast_floating((args, kwargs), self._cast_inputs)
-        return self.module(*args, **kwargs)
+        if self.gatherer is None:
+            return self.module(*args, **kwargs)
+        try:
+            output = self.module(*args, **kwargs)
+        except RuntimeError as err:
+            raise RuntimeError(
+                f"{err}\n(zeroshard, ZeRO stage 3: between uses a parameter is an empty placeholder and is "
+                "gathered only when the module that owns it runs. If the model uses a parameter outside its "
+                "own module, e.g. F.linear(x, other.weight), call "
+                "zeroshard.register_external_parameter(module_that_uses_it, param) before training.)"
+            ) from err
+        self.gatherer.end_forward(backward_follows=torch.is_grad_enabled())
+        return output
 
     def backward(
         self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True
@@ -113,6 +128,8 @@ class ZeroshardEngine(nn.Module):
         self.reducer.begin_backward(reduce=self.is_gradient_accumulation_boundary() and not self._no_sync)
         loss.backward(retain_graph=retain_graph)
         self.reducer.finish_backward()
+        if self.gatherer is not None:
+            self.gatherer.end_backward()
         self._backward_since_step = True
         return loss
 
@@ -219,6 +236,20 @@ class ZeroshardEngine(nn.Module):
             yield
         finally:
             self._no_sync = previous
+
+    @contextlib.contextmanager
+    def gathered_parameters(self) -> Iterator[None]:
+        """Hold the whole model gathered inside the block: no per-module communication (stage 3).
+
+        For evaluation, generation (``model.generate``) or inspecting ``engine.module``'s parameters: one
+        all-gather per unit on entry, none while the block runs, parameters re-partitioned on exit. A
+        no-op at stages 0-2, where parameters are always full. Collective: enter on all ranks.
+        """
+        if self.gatherer is None:
+            yield
+            return
+        with self.gatherer.hold_all():
+            yield
 
     # -- queries -------------------------------------------------------------------------------------
     def zero_optimization_stage(self) -> int:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from zeroshard.comm import Comm, Pending
 from zeroshard.layout import FlatLayout, Piece
 from zeroshard.precision import DtypePolicy
 from zeroshard.stages import StagePlan
@@ -62,6 +63,7 @@ class FlatUnit:
         if not params:
             raise ValueError("a unit needs at least one parameter")
         self.index = index
+        self.plan = plan
         self.params = list(params)
         self.names = list(names)
         self.rank = rank
@@ -80,6 +82,10 @@ class FlatUnit:
                 view.copy_(param.detach())
                 param.data = view
         self.master = master if master is not None else self.full[lo:hi]
+        self.shapes = [p.shape for p in self.params]
+        self._gathering: Pending | None = None
+        if plan.shard_parameters:
+            self.release()
         if plan.shard_gradients:
             self.grad_full: torch.Tensor | None = None
             self.grad_shard = torch.zeros(hi - lo, dtype=policy.accumulate, device=device)
@@ -119,12 +125,52 @@ class FlatUnit:
             for piece in self.layout.pieces(self.rank)
         ]
 
+    # -- stage 3: the full parameters exist only while gathered -------------------------------------
+    @property
+    def gathered(self) -> bool:
+        return self.full.numel() > 0 or self.layout.padded == 0
+
+    def start_gather(self, comm: Comm) -> None:
+        """Launch the all-gather of the full parameters (no-op if gathered or on the way).
+
+        Collective: call on all ranks, in the same unit order.
+        """
+        if self.gathered or self._gathering is not None:
+            return
+        self.full = torch.empty(self.layout.padded, dtype=self.policy.compute, device=self.master.device)
+        shard = (
+            self.master if self.master.dtype == self.policy.compute else self.master.to(self.policy.compute)
+        )
+        self._gathering = comm.all_gather(
+            self.full, shard, what=f"parameter all_gather of unit {self.index} ({self.names[0]}, ...)"
+        )
+
+    def finish_gather(self) -> None:
+        """Wait for a launched gather and point the parameters at the full buffer."""
+        if self._gathering is None:
+            return
+        pending, self._gathering = self._gathering, None
+        pending.wait()
+        for param, offset, shape in zip(self.params, self.layout.offsets, self.shapes, strict=True):
+            param.data = self.full[offset : offset + shape.numel()].view(shape)
+
+    def release(self) -> None:
+        """Free the full parameters; the parameters become empty placeholders until the next gather."""
+        if self._gathering is not None:
+            self.finish_gather()
+        empty = torch.empty(0, dtype=self.policy.compute, device=self.master.device)
+        for param in self.params:
+            param.data = empty
+        self.full = empty
+
     def own_full_shard(self) -> torch.Tensor:
         lo, hi = self.layout.shard_range(self.rank)
         return self.full[lo:hi]
 
     def copy_master_to_full(self) -> None:
         """Write the stepped master shard into this rank's slice of ``full`` (a cast, if dtypes differ)."""
+        if self.plan.shard_parameters:
+            return  # the next gather reads the master
         shard = self.own_full_shard()
         if shard.data_ptr() != self.master.data_ptr():
             shard.copy_(self.master)
@@ -145,4 +191,7 @@ class FlatUnit:
             if self.master.data_ptr() == self.own_full_shard().data_ptr()
             else (self.master.numel() * self.master.element_size())
         )
+        if self.plan.shard_parameters and self.policy.master_is_compute:
+            # fp32 stage 3: the master shard is the parameter shard itself.
+            params, master = params + master, 0
         return {"parameters": params, "gradients": grads.numel() * grads.element_size(), "master": master}

@@ -82,6 +82,8 @@ class GradientReducer:
         self.needs_reduction = False  # gradients accumulated that no reduction has covered yet
         self.peak_bucket_bytes = 0
         self._handles: list[RemovableHandle] = []
+        # Called right after a unit's gradients are handed to the reduction (stage 3 frees its parameters).
+        self.on_reduced: Callable[[FlatUnit], None] | None = None
 
     # -- hooks ---------------------------------------------------------------------------------------
     def register_hooks(self) -> None:
@@ -204,6 +206,8 @@ class GradientReducer:
                     unit.grad_shard.copy_(out).mul_(after)
 
         self._inflight.append((pending, then))
+        if self.on_reduced is not None:
+            self.on_reduced(unit)
         if not self.overlap_comm:
             self.wait_all()
 

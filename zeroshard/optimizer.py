@@ -163,14 +163,17 @@ class ShardedStep:
             grad.mul_(factor)
 
     def gather_params(self) -> None:
-        """Copy stepped masters into the full parameters; all-gather them where shards differ per rank."""
+        """Copy stepped masters into the full parameters; all-gather them where shards differ per rank.
+
+        Units whose parameters are sharded between uses (stage 3) are left alone: their next gather reads
+        the master.
+        """
         for unit in self.units:
             unit.copy_master_to_full()
-        if not self.plan.gather_after_step:
-            return
         pendings = [
             self.comm.all_gather(u.full, u.own_full_shard(), what=f"parameter all_gather of unit {u.index}")
             for u in self.units
+            if u.plan.gather_after_step
         ]
         for pending in pendings:
             pending.wait()

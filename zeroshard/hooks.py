@@ -1,0 +1,293 @@
+"""Stage 3: gather each module's parameters just before it computes, release them after.
+
+[Note: stage-3 lifecycle]
+Between uses a stage-3 unit holds only this rank's master shard; its parameters are empty placeholders.
+
+* Forward pre-hook of a module: gather the units of the parameters it owns directly (or, for a leaf module,
+  of its whole subtree, and any registered external parameters), and prefetch the units that came next in
+  the previous step's order, up to ``prefetch_bucket_size`` elements.
+* Forward post-hook: release those units (unless another running module still uses them) and, when
+  autograd will need them again, hook the module's outputs so that the units are gathered again just before
+  the module's backward.
+* A unit is released in backward as soon as its gradients are complete and handed to the reduce-scatter
+  (the reducer calls :meth:`ParameterGatherer.on_reduced`), and at the end of backward at the latest.
+
+The order in which units are gathered is recorded every step; the next step prefetches from it. Every rank
+gathers in the same order because every rank runs the same modules; a rank that runs different modules
+makes the collectives disagree, which ends in the collective timeout's error naming the unit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import weakref
+from collections import Counter
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from zeroshard.comm import Comm
+from zeroshard.flat_param import FlatUnit
+
+_LEAF_CLASSES: weakref.WeakKeyDictionary[nn.Module, tuple[type, ...]] = weakref.WeakKeyDictionary()
+
+
+def set_z3_leaf_modules(model: nn.Module, classes: Sequence[type[nn.Module]]) -> None:
+    """Gather modules of these classes (e.g. a mixture-of-experts block) as a whole at stage 3.
+
+    A leaf module's whole subtree is one unit, gathered before the leaf's forward, so data-dependent routing
+    inside it never needs a collective. Call before ``zeroshard.initialize``.
+    """
+    _LEAF_CLASSES[model] = tuple(classes)
+
+
+def leaf_classes(model: nn.Module) -> tuple[type, ...]:
+    return _LEAF_CLASSES.get(model, ())
+
+
+_EXTERNAL: weakref.WeakKeyDictionary[nn.Module, list[nn.Parameter]] = weakref.WeakKeyDictionary()
+
+
+def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
+    """Declare that ``module``'s forward uses ``parameter`` although another module owns it.
+
+    At stage 3 the parameter is then gathered whenever ``module`` runs (e.g. ``F.linear(x, other.weight)``
+    inside ``module.forward``). Call before ``zeroshard.initialize``; it has no effect at stages 0-2.
+    """
+    params = _EXTERNAL.setdefault(module, [])
+    if all(p is not parameter for p in params):
+        params.append(parameter)
+
+
+def external_parameters(module: nn.Module) -> list[nn.Parameter]:
+    return list(_EXTERNAL.get(module, ()))
+
+
+def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """Every tensor inside nested tuples, lists, dicts and dataclasses (a module's outputs)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for value in obj.values():
+            yield from iter_tensors(value)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            yield from iter_tensors(value)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for field in dataclasses.fields(obj):
+            yield from iter_tensors(getattr(obj, field.name))
+
+
+class ParameterGatherer:
+    """Owns the stage-3 module hooks and the gathered/released state of the stage-3 units.
+
+    Collective: the hooks gather with all-gathers, so every rank must run the same modules in the same order.
+    """
+
+    def __init__(
+        self,
+        module_units: Sequence[tuple[nn.Module, Sequence[FlatUnit]]],
+        comm: Comm,
+        *,
+        prefetch_elements: int,
+        max_live_elements: int,
+        max_reuse_distance: int,
+    ) -> None:
+        self.comm = comm
+        self.prefetch_elements = prefetch_elements
+        self.max_live_elements = max_live_elements
+        self.max_reuse_distance = max_reuse_distance
+        self._units_of: dict[int, list[FlatUnit]] = {}
+        self._modules: dict[int, nn.Module] = {}
+        for module, units in module_units:
+            self._units_of[id(module)] = list(units)
+            self._modules[id(module)] = module
+        self._users: Counter[int] = Counter()  # running forwards that use each unit
+        self._order: list[FlatUnit] = []  # gathers of this step, in order
+        self._schedule: list[FlatUnit] = []  # the previous step's order, for prefetching
+        self._cursor = 0
+        self._handles: list[RemovableHandle] = []
+        # Units released in this backward because their gradients are complete. Ranks may reach that
+        # point at different moments (it follows local gradient readiness), so such a unit is never
+        # gathered again in the same backward: the decision to gather stays the same on every rank.
+        self._done: set[int] = set()
+        self.peak_gathered_bytes = 0
+
+    # -- hooks ---------------------------------------------------------------------------------------
+    def register(self) -> None:
+        for key, module in self._modules.items():
+            self._handles.append(module.register_forward_pre_hook(self._make_pre(key)))
+            self._handles.append(module.register_forward_hook(self._make_post(key)))
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def add_external(self, module: nn.Module, unit: FlatUnit) -> None:
+        """Also gather ``unit`` whenever ``module`` runs (a parameter used outside its own module)."""
+        units = self._units_of.setdefault(id(module), [])
+        if unit not in units:
+            units.append(unit)
+        if id(module) not in self._modules:
+            self._modules[id(module)] = module
+            self._handles.append(module.register_forward_pre_hook(self._make_pre(id(module))))
+            self._handles.append(module.register_forward_hook(self._make_post(id(module))))
+
+    def _make_pre(self, key: int) -> Any:
+        def pre(module: nn.Module, args: Any) -> None:
+            units = self._units_of[key]
+            self.gather(units)
+            for unit in units:
+                self._users[unit.index] += 1
+
+        return pre
+
+    def _make_post(self, key: int) -> Any:
+        def post(module: nn.Module, args: Any, output: Any) -> None:
+            units = self._units_of[key]
+            for unit in units:
+                self._users[unit.index] -= 1
+                if self._users[unit.index] == 0 and not self._reused_soon(unit):
+                    unit.release()
+            if torch.is_grad_enabled():
+                fired = [False]
+
+                def before_backward(grad: torch.Tensor) -> None:
+                    if not fired[0]:
+                        fired[0] = True
+                        self.gather(units)
+
+                for tensor in iter_tensors(output):
+                    if tensor.requires_grad:
+                        tensor.register_hook(before_backward)
+
+        return post
+
+    # -- gathering -----------------------------------------------------------------------------------
+    def gather(self, units: Iterable[FlatUnit]) -> None:
+        """Make ``units`` gathered, prefetching what came next last step. Collective: all ranks."""
+        missing = [u for u in units if not u.gathered and u.index not in self._done]
+        self._order.extend(missing)
+        if missing:
+            self._advance_cursor(missing[-1])
+        for unit in missing:
+            self._start(unit)
+        self._prefetch()
+        for unit in units:
+            unit.finish_gather()
+        live = sum(u.full.numel() * u.full.element_size() for u in self._all_units() if u.gathered)
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, live)
+
+    def _start(self, unit: FlatUnit) -> None:
+        """Launch ``unit``'s all-gather after checking that every rank is about to gather the same unit."""
+        indices = self.comm.agree(unit.index, what=f"stage-3 gather check of unit {unit.index}")
+        if any(i != unit.index for i in indices):
+            by_rank = ", ".join(f"rank {r}: {self._describe(i)}" for r, i in enumerate(indices))
+            raise RuntimeError(
+                f"rank {self.comm.rank}: ZeRO stage 3 needs every rank to run the same modules in the same "
+                f"order, but the ranks are about to gather different parameters ({by_rank}). A module that "
+                "runs on some ranks only (data-dependent control flow) must not be gathered on its own: keep "
+                "its parameters full with stage3_param_persistence_threshold >= its size, or gather it "
+                "with a module every rank runs (zeroshard.set_z3_leaf_modules(model, [ParentClass]) or "
+                "zeroshard.register_external_parameter(parent, param))"
+            )
+        unit.start_gather(self.comm)
+
+    def _describe(self, index: int) -> str:
+        for unit in self._all_units():
+            if unit.index == index:
+                return f"unit {index} ({', '.join(unit.names)})"
+        return f"unit {index}"
+
+    def _advance_cursor(self, current: FlatUnit) -> None:
+        """Follow last step's order: move past the next place where ``current`` was requested."""
+        for pos in range(self._cursor, len(self._schedule)):
+            if self._schedule[pos] is current:
+                self._cursor = pos + 1
+                return
+
+    def _prefetch(self) -> None:
+        if not self._schedule or self.prefetch_elements <= 0:
+            return
+        budget = self.prefetch_elements
+        live = sum(u.layout.padded for u in self._all_units() if u.gathered)
+        for unit in self._schedule[self._cursor :]:
+            if budget <= 0:
+                break
+            if not unit.gathered and unit.index not in self._done:
+                if live + unit.layout.padded > self.max_live_elements:
+                    break  # stage3_max_live_parameters
+                self._start(unit)
+                live += unit.layout.padded
+            budget -= unit.layout.padded
+
+    def _reused_soon(self, unit: FlatUnit) -> bool:
+        """Whether last step's order uses ``unit`` again within ``max_reuse_distance`` elements.
+
+        The distance counts the unit's own elements plus everything gathered before its next use, so 0
+        never keeps a unit and DeepSpeed's default (1e9) keeps every unit of a smaller model gathered from
+        its forward to its backward (fewer gathers, more memory).
+        """
+        distance = unit.layout.padded
+        for upcoming in self._schedule[self._cursor :]:
+            if distance > self.max_reuse_distance:
+                return False
+            if upcoming is unit:
+                return True
+            distance += upcoming.layout.padded
+        return False
+
+    @contextlib.contextmanager
+    def hold_all(self) -> Iterator[None]:
+        """Keep every unit gathered inside the block (one gather each), release on exit. Collective."""
+        units = sorted(self._all_units(), key=lambda u: u.index)
+        for unit in units:
+            if not unit.gathered:
+                self._start(unit)
+        for unit in units:
+            unit.finish_gather()
+            self._users[unit.index] += 1
+        try:
+            yield
+        finally:
+            for unit in units:
+                self._users[unit.index] -= 1
+                if self._users[unit.index] == 0:
+                    unit.release()
+
+    def on_reduced(self, unit: FlatUnit) -> None:
+        """The reducer took ``unit``'s gradients: its full parameters are not needed any more."""
+        if unit.plan.shard_parameters and self._users[unit.index] == 0:
+            self._done.add(unit.index)
+            unit.release()
+
+    def end_backward(self) -> None:
+        """Release everything still gathered and start the next step's prefetch schedule."""
+        for unit in self._all_units():
+            if self._users[unit.index] == 0:
+                unit.release()
+        self._done.clear()
+        self.end_step()
+
+    def end_forward(self, backward_follows: bool) -> None:
+        """The model's forward returned; without a backward to come (evaluation) release everything now."""
+        if not backward_follows:
+            self.end_backward()
+
+    def end_step(self) -> None:
+        if self._order:
+            self._schedule = self._order
+        self._order = []
+        self._cursor = 0
+
+    def _all_units(self) -> list[FlatUnit]:
+        seen: dict[int, FlatUnit] = {}
+        for units in self._units_of.values():
+            for unit in units:
+                seen[unit.index] = unit
+        return list(seen.values())

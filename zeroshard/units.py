@@ -1,0 +1,165 @@
+"""Which parameters are communicated together: building the units of a model.
+
+* Stages 0-2: consecutive trainable parameters, in registration order, in units of at most
+  ``reduce_bucket_size`` elements.
+* Stage 3 (DeepSpeed's default granularity): one unit per module that directly owns trainable parameters,
+  in module order. A module whose parameters total at most ``stage3_param_persistence_threshold`` elements
+  keeps them full on every rank (consecutive such modules share a stage-2-like unit). A leaf module
+  (``set_z3_leaf_modules`` or ``zero_optimization.leaf_module``) owns its whole subtree as one unit.
+
+A parameter shared by several modules (tied weights) belongs to the first module that owns it; every
+module that owns it directly gathers that unit before computing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from zeroshard.comm import Comm
+from zeroshard.config import ZeroshardConfig
+from zeroshard.flat_param import FlatUnit
+from zeroshard.hooks import external_parameters, leaf_classes
+from zeroshard.precision import DtypePolicy
+from zeroshard.stages import STAGES, StagePlan
+
+Named = list[tuple[str, nn.Parameter]]
+
+
+@dataclass
+class ModelUnits:
+    units: list[FlatUnit]
+    # Stage 3: for each module that computes with gathered parameters, the units it needs.
+    module_units: list[tuple[nn.Module, list[FlatUnit]]]
+
+
+def check_dtypes(model: nn.Module, policy: DtypePolicy) -> None:
+    allowed = {torch.float32, policy.compute}
+    for name, p in model.named_parameters():
+        if p.requires_grad and p.dtype not in allowed:
+            raise ValueError(
+                f"parameter {name!r} is {p.dtype}; with this config zeroshard trains in {policy.compute} and "
+                f"expects {' or '.join(sorted(str(d) for d in allowed))} parameters: convert the model "
+                "(model.float()) or enable the matching bf16/fp16 block"
+            )
+
+
+def build_units(
+    model: nn.Module, cfg: ZeroshardConfig, plan: StagePlan, policy: DtypePolicy, comm: Comm
+) -> ModelUnits:
+    check_dtypes(model, policy)
+    if not plan.shard_parameters:
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        units: list[FlatUnit] = []
+        _bucket_units(units, named, cfg.zero_optimization.reduce_bucket_size, plan, policy, comm)
+        return ModelUnits(units, [])
+    return _stage3_units(model, cfg, plan, policy, comm)
+
+
+def _make(units: list[FlatUnit], named: Named, plan: StagePlan, policy: DtypePolicy, comm: Comm) -> FlatUnit:
+    world = comm.world_size if plan.shard_optimizer else 1
+    rank = comm.rank if plan.shard_optimizer else 0
+    unit = FlatUnit(
+        len(units),
+        [p for _, p in named],
+        [n for n, _ in named],
+        rank=rank,
+        world_size=world,
+        plan=plan,
+        policy=policy,
+    )
+    units.append(unit)
+    return unit
+
+
+def _bucket_units(
+    units: list[FlatUnit], named: Named, limit: int, plan: StagePlan, policy: DtypePolicy, comm: Comm
+) -> None:
+    """Consecutive parameters in units of at most ``limit`` elements (one device each)."""
+    current: Named = []
+    size = 0
+    for name, p in named:
+        if current and (size + p.numel() > max(1, limit) or p.device != current[0][1].device):
+            _make(units, current, plan, policy, comm)
+            current, size = [], 0
+        current.append((name, p))
+        size += p.numel()
+    if current:
+        _make(units, current, plan, policy, comm)
+
+
+def _is_leaf(name: str, module: nn.Module, model: nn.Module, cfg: ZeroshardConfig) -> bool:
+    spec = cfg.zero_optimization.leaf_module
+    cls = type(module)
+    qualified = f"{cls.__module__}.{cls.__qualname__}"
+    return (
+        isinstance(module, leaf_classes(model))
+        or qualified in spec.classes
+        or cls.__name__ in spec.classes
+        or (bool(name) and name in spec.names)
+        or any(name.endswith(sfx) for sfx in spec.name_suffixes if name)
+    )
+
+
+def _stage3_units(
+    model: nn.Module, cfg: ZeroshardConfig, plan: StagePlan, policy: DtypePolicy, comm: Comm
+) -> ModelUnits:
+    zero = cfg.zero_optimization
+    claimed: set[int] = set()
+    owners: list[tuple[nn.Module, Named]] = []
+    uses: list[tuple[nn.Module, list[nn.Parameter]]] = []
+    leaves: list[str] = []
+    for name, module in model.named_modules():
+        if any(name.startswith(leaf + ".") for leaf in leaves):
+            continue
+        leaf = _is_leaf(name, module, model, cfg)
+        if leaf:
+            leaves.append(name)
+        named = [(n, p) for n, p in module.named_parameters(prefix=name, recurse=leaf) if p.requires_grad]
+        external = [p for p in external_parameters(module) if p.requires_grad]
+        if named or external:
+            uses.append((module, [p for _, p in named] + external))
+        own = [(n, p) for n, p in named if id(p) not in claimed]
+        claimed.update(id(p) for _, p in own)
+        if own:
+            owners.append((module, own))
+
+    units: list[FlatUnit] = []
+    unit_of: dict[int, FlatUnit] = {}
+    persistent: Named = []
+    persistent_plan = STAGES[2]  # full on every rank, gradients and optimizer state sharded
+
+    def flush_persistent() -> None:
+        if persistent:
+            first = len(units)
+            _bucket_units(units, persistent, zero.reduce_bucket_size, persistent_plan, policy, comm)
+            for unit in units[first:]:
+                unit_of.update({id(p): unit for p in unit.params})
+            persistent.clear()
+
+    for _, own in owners:
+        if sum(p.numel() for _, p in own) <= zero.param_persistence_threshold:
+            persistent.extend(own)
+            continue
+        flush_persistent()
+        unit = _make(units, own, plan, policy, comm)
+        unit_of.update({id(p): unit for p in unit.params})
+    flush_persistent()
+
+    module_units = []
+    for module, params in uses:
+        needed = _unique(unit_of[id(p)] for p in params)
+        needed = [u for u in needed if u.plan.shard_parameters]
+        if needed:
+            module_units.append((module, needed))
+    return ModelUnits(units, module_units)
+
+
+def _unique(units: Iterable[FlatUnit]) -> list[FlatUnit]:
+    out: dict[int, FlatUnit] = {}
+    for unit in units:
+        out.setdefault(unit.index, unit)
+    return list(out.values())
