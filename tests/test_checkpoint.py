@@ -29,6 +29,7 @@ from zeroshard.checkpoint import (
     load_consolidated,
     save_pretrained,
 )
+from zeroshard.checkpoint.common import param_shape
 from zeroshard.checkpoint.export import _gather_from_masters
 
 GLOBAL = 12  # samples per optimizer step
@@ -57,7 +58,9 @@ def micro_batch(
     return x[i : i + m], y[i : i + m]
 
 
-def config(stage: int, world_size: int, gas: int = 1, precision: str = "fp32") -> dict[str, Any]:
+def config(
+    stage: int, world_size: int, gas: int = 1, precision: str = "fp32", gather_16bit: bool = False
+) -> dict[str, Any]:
     mixed: dict[str, Any] = {}
     if precision == "bf16":
         mixed = {"bf16": {"enabled": True}}
@@ -68,7 +71,13 @@ def config(stage: int, world_size: int, gas: int = 1, precision: str = "fp32") -
         "train_batch_size": GLOBAL,
         "train_micro_batch_size_per_gpu": GLOBAL // (world_size * gas),
         "gradient_accumulation_steps": gas,
-        "zero_optimization": {"stage": stage, "reduce_bucket_size": 60},  # a few units, some split
+        # A few units, some parameters split between ranks; at stage 3 every module's own unit, sharded.
+        "zero_optimization": {
+            "stage": stage,
+            "reduce_bucket_size": 60,
+            "stage3_param_persistence_threshold": 0,
+            "stage3_gather_16bit_weights_on_model_save": gather_16bit,
+        },
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
         "scheduler": {
             "type": "WarmupLR",
@@ -84,9 +93,13 @@ def build(
     seed: int = 0,
     group: dist.ProcessGroup | None = None,
     precision: str = "fp32",
+    gather_16bit: bool = False,
 ) -> zeroshard.ZeroshardEngine:
     model = make_model(seed)
-    cfg = config(stage, world_size, gas, precision)
+    if stage == 3:  # `rare` runs on some ranks only: the root module, which all ranks run, gathers it
+        for p in model.rare.parameters():
+            zeroshard.register_external_parameter(model, p)
+    cfg = config(stage, world_size, gas, precision, gather_16bit)
     engine, _, _, _ = zeroshard.initialize(
         model=model, model_parameters=two_groups(model), config=cfg, group=group
     )
@@ -107,7 +120,9 @@ def train(engine: zeroshard.ZeroshardEngine, rank: int, world_size: int, until: 
 
 
 def params(engine: zeroshard.ZeroshardEngine) -> dict[str, torch.Tensor]:
-    return {n: t.detach().clone() for n, t in engine.module.state_dict().items()}
+    """The module's state (gathered at stage 3: collective there)."""
+    with engine.gathered_parameters():
+        return {n: t.detach().clone() for n, t in engine.module.state_dict().items()}
 
 
 def moments(engine: zeroshard.ZeroshardEngine) -> Moments:
@@ -196,7 +211,7 @@ def assert_moments_equal(loaded: Moments, truth: dict[str, dict[str, torch.Tenso
 
 
 def round_trip_worker(rank: int, world_size: int, root: str) -> list[float]:
-    for stage in (0, 1, 2):
+    for stage in (0, 1, 2, 3):
         gas = 2
         ckpt = os.path.join(root, f"rt{stage}")
         ref = build(stage, world_size, gas)
@@ -229,7 +244,7 @@ def round_trip_worker(rank: int, world_size: int, root: str) -> list[float]:
             train(fresh, rank, world_size, K + N)
             assert_equal_params(params(fresh), params(ref), f"stage {stage} resumed from {tag!r}")
             assert fresh.lr_scheduler.state_dict() == ref.lr_scheduler.state_dict()
-        if stage > 0:
+        if stage in (1, 2):  # sharded masters gather into exactly the resident full parameters
             for unit in engine.units:
                 for i, p in enumerate(unit.params):
                     assert torch.equal(_gather_from_masters(engine, unit, i), p.detach().reshape(-1))
@@ -315,7 +330,7 @@ def errors_worker(rank: int, world_size: int, root: str) -> None:
 def masters(engine: zeroshard.ZeroshardEngine) -> dict[str, torch.Tensor]:
     """Every trained parameter's fp32 master, gathered (collective at stages 1-2)."""
     return {
-        name: _gather_from_masters(engine, unit, i).reshape(unit.params[i].shape).clone()
+        name: _gather_from_masters(engine, unit, i).reshape(param_shape(unit, i)).clone()
         for unit in engine.units
         for i, name in enumerate(unit.names)
     }
@@ -323,11 +338,11 @@ def masters(engine: zeroshard.ZeroshardEngine) -> dict[str, torch.Tensor]:
 
 def precision_worker(rank: int, world_size: int, root: str) -> None:
     """bf16 and fp16: exact round trips with the loss scaler; fp32 <-> bf16 checkpoints load both ways."""
-    for precision, stage in (("bf16", 2), ("fp16", 1)):
-        ckpt = os.path.join(root, precision)
+    for precision, stage in (("bf16", 2), ("fp16", 1), ("bf16", 3)):
+        ckpt = os.path.join(root, f"{precision}-{stage}")
         ref = build(stage, world_size, precision=precision)
         train(ref, rank, world_size, K + N)
-        engine = build(stage, world_size, precision=precision)
+        engine = build(stage, world_size, precision=precision, gather_16bit=stage == 3)
         train(engine, rank, world_size, K)
         saved = masters(engine)
         engine.save_checkpoint(ckpt)
@@ -344,17 +359,16 @@ def precision_worker(rank: int, world_size: int, root: str) -> None:
         assert_equal_params(masters(fresh), masters(ref), f"{precision} resumed masters")
 
         # Exports: the 16-bit weights as trained, or the fp32 masters (gathered from the shards).
-        engine.save_16bit_model(os.path.join(root, f"{precision}-16bit"))
-        save_pretrained(engine, os.path.join(root, f"{precision}-fp32"), dtype=torch.float32)
+        export16 = os.path.join(root, f"{precision}-{stage}-16bit")
+        export32 = os.path.join(root, f"{precision}-{stage}-fp32")
+        assert engine.save_16bit_model(export16)
+        save_pretrained(engine, export32, dtype=torch.float32)
+        trained16 = params(engine)
         if rank == 0:
-            model16 = load_consolidated(
-                make_model(3).to(torch.bfloat16 if precision == "bf16" else torch.float16),
-                os.path.join(root, f"{precision}-16bit"),
-            )
-            assert_equal_params(
-                dict(model16.named_parameters()), dict(engine.module.named_parameters()), "16-bit"
-            )
-            model32 = load_consolidated(make_model(3), os.path.join(root, f"{precision}-fp32"))
+            dtype16 = torch.bfloat16 if precision == "bf16" else torch.float16
+            model16 = load_consolidated(make_model(3).to(dtype16), export16)
+            assert_equal_params(model16.state_dict(), trained16, "16-bit export")
+            model32 = load_consolidated(make_model(3), export32)
             assert_equal_params(
                 {n: p for n, p in model32.named_parameters() if n in saved}, saved, "fp32 export"
             )
@@ -369,9 +383,9 @@ def precision_worker(rank: int, world_size: int, root: str) -> None:
     loaded = params(into_bf16)  # the engine holds frozen parameters in bf16 too: a cast of the saved fp32
     assert_equal_params(loaded, {n: t.to(loaded[n].dtype) for n, t in params(fp32).items()}, "fp32 -> bf16")
     into_fp32 = build(0, world_size, seed=1)
-    into_fp32.load_checkpoint(os.path.join(root, "bf16"))
+    into_fp32.load_checkpoint(os.path.join(root, "bf16-2"))
     bf16_truth = build(2, world_size, precision="bf16")
-    bf16_truth.load_checkpoint(os.path.join(root, "bf16"))
+    bf16_truth.load_checkpoint(os.path.join(root, "bf16-2"))
     assert_equal_params(masters(into_fp32), masters(bf16_truth), "bf16 -> fp32 masters")
 
 
@@ -457,8 +471,8 @@ def reshard_worker(rank: int, world_size: int, root: str) -> dict[str, Any]:
 
     phase(2, [("w1s0", 2)], [0, 1, 2])  # 1->2, stage 0->2
     phase(4, [("w2s1", 2), ("w2s0", 1)], [1, 2])  # 2->4, stages 1->2, 0->1
-    phase(3, [("w4s2", 1), ("w4s1", 2)], [])  # 4->3, stages 2->1, 1->2
-    phase(2, [("w4s1", 0)], [])  # 4->2, stage 1->0
+    phase(3, [("w4s2", 1), ("w4s1", 2), ("w2s2", 3)], [3])  # 4->3, 2->3; stages 2->1, 1->2, 2->3
+    phase(2, [("w4s1", 0), ("w3s3", 1), ("w4s1", 3)], [])  # 4->2, 3->2; stages 1->0, 3->1, 1->3
     return portable(out)  # type: ignore[no-any-return]
 
 
@@ -482,9 +496,11 @@ def check_reshards(results: list[dict[str, Any]], truth: dict[str, Any]) -> None
 
 
 def test_reshard_matrix(tmp_path: Any, one_thread: None) -> None:
-    """World sizes 1->2, 2->4, 4->3, 4->2, 2->1 across stages 0->2, 1->2, 0->1, 2->1, 1->0, 2->0."""
+    """World sizes 1->2, 2->4, 4->3, 2->3, 4->2, 3->2, 2->1, 3->1 across stages 0->2, 1->2, 0->1, 2->1,
+    2->3, 1->0, 3->1, 1->3, 2->0, 3->2."""
     root = str(tmp_path)
     truth: dict[str, Any] = {}
     check_reshards([reshard_phase(0, 1, root, [], [0])], truth)
     check_reshards([unportable(r) for r in run_distributed(reshard_worker, 4, root)], truth)
-    check_reshards([reshard_phase(0, 1, root, [("w2s2", 0)], [])], truth)  # 2->1, stage 2->0
+    # 2->1 and 3->1; stages 2->0 and 3->2
+    check_reshards([reshard_phase(0, 1, root, [("w2s2", 0), ("w3s3", 2)], [])], truth)

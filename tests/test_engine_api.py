@@ -196,3 +196,28 @@ def test_single_process_errors_and_helpers() -> None:
     parser = zeroshard.add_config_arguments(argparse.ArgumentParser())
     args = parser.parse_args(["--zeroshard_config", "ds.json"])
     assert args.deepspeed_config == "ds.json"
+
+
+def test_engine_feeds_the_csv_monitor_and_timers(tmp_path: Any) -> None:
+    config = _config(
+        2,
+        2,
+        csv_monitor={"enabled": True, "output_path": str(tmp_path), "job_name": "run"},
+        wall_clock_breakdown=True,
+        optimizer={"type": "SGD", "params": {"lr": 0.1}},
+    )
+    model = make_model(0)
+    engine, _, _, _ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=config)
+    losses = []
+    for step in range(3):
+        for micro in range(2):
+            loss = engine(*batch(step, micro, 0))
+            losses.append(float(loss.detach()))
+            engine.backward(loss)
+            engine.step()
+    engine.destroy()
+    rows = (tmp_path / "run" / "Train_Samples_train_loss.csv").read_text().splitlines()
+    assert len(rows) == 1 + 3  # header and one row per optimizer step, x = global samples
+    first = rows[1].split(",")
+    assert int(first[0]) == 4 and float(first[1]) == pytest.approx((losses[0] + losses[1]) / 2, rel=1e-5)
+    assert set(engine.telemetry.timings()) >= {"forward", "backward", "reduce", "step"}

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -28,7 +29,9 @@ from zeroshard.hooks import ParameterGatherer
 from zeroshard.loss_scaler import LossScaleFloorError, LossScaler
 from zeroshard.memory import MemoryBreakdown, optimizer_state_bytes, predict
 from zeroshard.optimizer import ShardedStep
+from zeroshard.precision import cast_floating
 from zeroshard.stages import StagePlan
+from zeroshard.telemetry import StepRecord, Telemetry
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +72,10 @@ class ZeroshardEngine(nn.Module):
         self.local_rank = local_rank
         self.loss_scaler = loss_scaler
         self.gatherer = gatherer
+        self.telemetry = Telemetry.from_config(config, rank=comm.rank, world_size=comm.world_size)
+        self._window_losses: list[float] = []
+        self._last_step_end = time.perf_counter()
+        self._comm_at_last_step = comm.stats.total_bytes
         policy = self.units[0].policy if self.units else None
         # A step is skipped when any rank's gradients are not finite: always under fp16 loss scaling,
         # under bf16 when bf16.check_grad_overflow asks for it.
@@ -89,7 +96,11 @@ class ZeroshardEngine(nn.Module):
     # -- the loop ------------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._cast_inputs is not None:  # fp16.auto_cast: floating inputs follow the fp16 parameters
-            args, kwargs = _cast_floating((args, kwargs), self._cast_inputs)
+            args, kwargs = cast_floating((args, kwargs), self._cast_inputs)
+        with self.telemetry.timer("forward"):
+            return self._forward(args, kwargs)
+
+    def _forward(self, args: Any, kwargs: Any) -> Any:
         if self.gatherer is None:
             return self.module(*args, **kwargs)
         try:
@@ -124,10 +135,16 @@ class ZeroshardEngine(nn.Module):
             loss = loss / self.config.gradient_accumulation_steps
         if self.loss_scaler is not None:
             loss = loss * self.loss_scaler.scale
+        if self.telemetry.reports:
+            self._window_losses.append(
+                float(loss.detach()) / (self.loss_scaler.scale if self.loss_scaler else 1.0)
+            )
         # Reduce on the boundary micro-step (every micro-step when the stage shards gradients).
         self.reducer.begin_backward(reduce=self.is_gradient_accumulation_boundary() and not self._no_sync)
-        loss.backward(retain_graph=retain_graph)
-        self.reducer.finish_backward()
+        with self.telemetry.timer("backward"):
+            loss.backward(retain_graph=retain_graph)
+            with self.telemetry.timer("reduce"):
+                self.reducer.finish_backward()
         if self.gatherer is not None:
             self.gatherer.end_backward()
         self._backward_since_step = True
@@ -141,7 +158,9 @@ class ZeroshardEngine(nn.Module):
         if not self._backward_since_step:
             raise RuntimeError("step() was called before backward(): call engine.backward(loss) first")
         if self.is_gradient_accumulation_boundary():
-            self._take_model_step(lr_kwargs)
+            with self.telemetry.timer("step"):
+                self._take_model_step(lr_kwargs)
+            self._report_step()
         self.micro_steps += 1
         self._backward_since_step = False
 
@@ -212,6 +231,39 @@ class ZeroshardEngine(nn.Module):
         self.reducer.zero_grad()
         self.global_steps += 1
         self.global_samples += self.config.train_batch_size
+
+    def _report_step(self) -> None:
+        """Hand this optimizer step's figures to the telemetry (rank 0 logs and writes the monitors)."""
+        now = time.perf_counter()
+        elapsed, self._last_step_end = now - self._last_step_end, now
+        comm_bytes = self.comm.stats.total_bytes - self._comm_at_last_step
+        self._comm_at_last_step = self.comm.stats.total_bytes
+        losses, self._window_losses = self._window_losses, []
+        if not self.telemetry.reports:
+            return
+        gas = self.config.gradient_accumulation_steps
+        self.telemetry.on_step(
+            StepRecord(
+                global_step=self.global_steps,
+                global_samples=self.global_samples,
+                loss=sum(losses) * gas / len(losses) if losses else None,  # backward saw loss / gas
+                lr=self.get_lr(),
+                loss_scale=self.loss_scaler.scale if self.loss_scaler is not None else None,
+                grad_norm=self._grad_norm,
+                skipped_steps=self.skipped_steps,
+                step_time_s=elapsed,
+                samples_per_s=self.config.train_batch_size / elapsed if elapsed > 0 else 0.0,
+                comm_bytes=comm_bytes,
+                memory_bytes=self.memory_breakdown().total,
+            )
+        )
+
+    def destroy(self) -> None:
+        """Flush and close the monitors and remove zeroshard's hooks from the model."""
+        self.telemetry.close()
+        self.reducer.remove_hooks()
+        if self.gatherer is not None:
+            self.gatherer.remove()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop accumulated gradients (the engine already does this after each step)."""
@@ -346,16 +398,3 @@ class ZeroshardEngine(nn.Module):
         from zeroshard.checkpoint import save_16bit_model
 
         return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
-
-
-def _cast_floating(obj: Any, dtype: torch.dtype) -> Any:
-    """``obj`` with every floating-point tensor inside (tuples, lists, dicts) cast to ``dtype``."""
-    if isinstance(obj, torch.Tensor):
-        return obj.to(dtype) if obj.is_floating_point() else obj
-    if isinstance(obj, tuple):
-        return tuple(_cast_floating(o, dtype) for o in obj)
-    if isinstance(obj, list):
-        return [_cast_floating(o, dtype) for o in obj]
-    if isinstance(obj, dict):
-        return {k: _cast_floating(v, dtype) for k, v in obj.items()}
-    return obj

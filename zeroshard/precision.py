@@ -14,6 +14,7 @@ the compute dtype otherwise, where nothing is accumulated and 16-bit gradients g
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -76,3 +77,16 @@ def loss_scaler_from_config(cfg: ZeroshardConfig) -> LossScaler | None:
         hysteresis=fp16.hysteresis,
         consecutive_hysteresis=fp16.consecutive_hysteresis,
     )
+
+
+def cast_floating(obj: Any, dtype: torch.dtype) -> Any:
+    """``obj`` with every floating-point tensor inside (tuples, lists, dicts) cast to ``dtype``."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(dtype) if obj.is_floating_point() else obj
+    if isinstance(obj, tuple):
+        return tuple(cast_floating(o, dtype) for o in obj)
+    if isinstance(obj, list):
+        return [cast_floating(o, dtype) for o in obj]
+    if isinstance(obj, dict):
+        return {k: cast_floating(v, dtype) for k, v in obj.items()}
+    return obj

@@ -8,11 +8,11 @@ import sys
 from collections.abc import Sequence
 
 from zeroshard import __version__
-from zeroshard.cli import check_config, estimate, launch, report
+from zeroshard.cli import check_config, convert, estimate, launch, report
 
 __all__ = ["build_parser", "main"]
 
-_SUBCOMMANDS = (launch, estimate, report, check_config)
+_SUBCOMMANDS = (launch, estimate, report, check_config, convert)
 
 
 def build_parser() -> argparse.ArgumentParser:
