@@ -197,7 +197,7 @@ def test_overflow_on_one_rank_skips_the_step_everywhere() -> None:
 
 def memory_worker(rank: int, world_size: int) -> list[Any]:
     out = []
-    for stage in (0, 1, 2):
+    for stage in (0, 1, 2, 3):
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
         engine, _, _, _ = zeroshard.initialize(
@@ -206,7 +206,11 @@ def memory_worker(rank: int, world_size: int) -> list[Any]:
             config={
                 "train_micro_batch_size_per_gpu": 2,
                 "bf16": {"enabled": True},
-                "zero_optimization": {"stage": stage, "reduce_bucket_size": 2000},
+                "zero_optimization": {
+                    "stage": stage,
+                    "reduce_bucket_size": 2000,
+                    "stage3_param_persistence_threshold": 0,
+                },
             },
         )
         engine.backward(engine(torch.randn(2, 64).bfloat16()).float().pow(2).mean())
@@ -219,8 +223,11 @@ def memory_worker(rank: int, world_size: int) -> list[Any]:
 def test_bf16_adam_memory_follows_the_paper(world_size: int) -> None:
     for stage, mb in enumerate(run_distributed(memory_worker, world_size)[0]):
         n, w = mb.num_parameters, world_size
-        paper = {0: 16 * n, 1: 4 * n + 12 * n // w, 2: 2 * n + 14 * n // w}[stage]
+        paper = {0: 16 * n, 1: 4 * n + 12 * n // w, 2: 2 * n + 14 * n // w, 3: 16 * n // w}[stage]
         assert mb.predicted.total == pytest.approx(paper, abs=16)
         slack = 16 * w * 8 + 4 * 8  # padding per unit and the optimizer's step counters
         measured = mb.parameters + mb.gradients + mb.optimizer_state
+        if stage == 3:
+            # No 16-bit shard is kept between uses (the next gather casts the fp32 master): 2N/W less.
+            paper -= 2 * n // w
         assert abs(measured - paper) <= slack, (stage, measured, paper)

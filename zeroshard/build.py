@@ -74,6 +74,7 @@ def initialize(
     policy = policy_from_config(cfg)
     if comm.rank == 0:
         logger.info("zeroshard config:\n%s", cfg.dump())
+        _note_offload(cfg)
 
     groups = normalize_param_groups(model, client_opt.param_groups if client_opt else model_parameters)
     _broadcast_from_rank0(model, comm)
@@ -122,6 +123,28 @@ def initialize(
     )
     loader = _build_dataloader(training_data, cfg, comm, collate_fn)
     return engine, opt, loader, scheduler
+
+
+def _note_offload(cfg: ZeroshardConfig) -> None:
+    """Say once what an offload block does in this version (offload itself is a separate feature)."""
+    zero = cfg.zero_optimization
+    for key, device in (
+        ("offload_optimizer", zero.offload_optimizer.device),
+        ("offload_param", zero.offload_param.device),
+    ):
+        if device == "cpu" and not torch.cuda.is_available():
+            logger.warning(
+                "zero_optimization.%s.device 'cpu': training runs on the CPU, where this state "
+                "already lives, so offloading to CPU changes nothing",
+                key,
+            )
+        elif device != "none":
+            logger.warning(
+                "zero_optimization.%s.device %r: offload is not implemented in this zeroshard "
+                "version; the state stays in the training device's memory",
+                key,
+                device,
+            )
 
 
 def _hidden_size(model: nn.Module) -> int | None:
