@@ -22,7 +22,7 @@ STAMP := $(VENV)/.zeroshard-installed
 
 # Demo knobs: `make demo NPROC=1`, `make demo-stage3 DEMO_ARGS="--steps 20"`.
 NPROC ?= 2
-DEMO_ARGS ?=
+DEMO_ARGS ?= --save-dir checkpoints/demo
 DEMO_STAGES := demo-stage0 demo-stage1 demo-stage2 demo-stage3
 DEMO_PRECISIONS := demo-bf16 demo-fp16
 PYTEST_ARGS ?=
@@ -61,7 +61,7 @@ $(DEMO_STAGES): demo-stage%: $(STAMP)
 # 16-bit matmuls run about 10x slower than fp32 on CPUs without bf16/fp16 units: fewer steps by default.
 $(DEMO_PRECISIONS): demo-%: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m torch.distributed.run --standalone --nproc_per_node $(NPROC) \
-		examples/train_gpt.py --deepspeed_config examples/configs/zero2_$*.json $(or $(DEMO_ARGS),--steps 12)
+		examples/train_gpt.py --deepspeed_config examples/configs/zero2_$*.json --steps 12 $(DEMO_ARGS)
 
 # pytest exits 5 when it collects no test; that is reported loudly but is not a failure of the run.
 test: $(STAMP)

@@ -277,6 +277,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=50, help="optimizer steps to run")
     parser.add_argument("--seed", type=int, default=0, help="seed for the model init")
+    parser.add_argument(
+        "--save-dir", help="save a sharded checkpoint here at the end (engine.save_checkpoint)"
+    )
+    parser.add_argument(
+        "--load-dir", help="resume from the latest checkpoint here, at any world size or stage"
+    )
+    parser.add_argument(
+        "--export-dir", help="write consolidated 16-bit/fp32 weights here at the end (safetensors)"
+    )
     zeroshard.add_config_arguments(parser)  # --deepspeed_config / --zeroshard_config
     args = parser.parse_args()
 
@@ -295,6 +304,12 @@ def main() -> None:
         args=args, model=model, model_parameters=model.parameters(), training_data=dataset
     )
     rank0 = engine.global_rank == 0
+    if args.load_dir:
+        # Collective. Restores weights, optimizer state, scheduler, counters and RNG, resharded to this run's
+        # world size and stage; the data order restarts (this demo's sampler is not checkpointed).
+        path, _client_state = engine.load_checkpoint(args.load_dir)
+        if rank0:
+            print(f"resumed from {path} at step {engine.global_steps}", flush=True)
     gas = engine.config.gradient_accumulation_steps
     tokens_per_step = engine.config.train_micro_batch_size_per_gpu * gas * engine.world_size * cfg.block_size
     if rank0:
@@ -365,9 +380,19 @@ def main() -> None:
 
     if bar is not None:
         bar.close()
-    if rank0:
+    if rank0 and first_loss is not None:
         steps = engine.global_steps
         print(f"first loss {first_loss:.4f} -> final loss {loss:.4f} after {steps} optimizer steps")
+    if args.save_dir:
+        start = time.perf_counter()
+        path = engine.save_checkpoint(args.save_dir)  # collective: every rank writes its own shard
+        if rank0:
+            print(f"saved checkpoint {path} in {time.perf_counter() - start:.2f}s", flush=True)
+    if args.export_dir:
+        # Collective; consolidated safetensors in the compute dtype (stage 3 asks for
+        # stage3_gather_16bit_weights_on_model_save, as DeepSpeed does; `zeroshard convert` works offline).
+        if engine.save_16bit_model(args.export_dir) and rank0:
+            print(f"exported consolidated weights to {args.export_dir}", flush=True)
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
