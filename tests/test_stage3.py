@@ -187,6 +187,25 @@ def api_cases(rank: int, world_size: int) -> None:
         x = torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(99))
         torch.testing.assert_close(engine(x).extras["logits"], ref(x).extras["logits"], rtol=1e-5, atol=1e-6)
     assert all(not u.gathered for u in engine.units if u.plan.shard_parameters)
+    # state_dict() outside any gather: full tensors, never placeholders; load_state_dict reaches the masters.
+    full_state = engine.module.state_dict()
+    assert all(v.numel() > 0 for v in full_state.values())
+    torch.testing.assert_close(full_state["shared.weight"], state["shared.weight"])
+    edited = {k: v + 1.0 for k, v in full_state.items()}
+    engine.module.load_state_dict(edited)
+    assert model.shared.weight.numel() == 0
+    with engine.gathered_parameters():
+        torch.testing.assert_close(model.shared.weight.detach(), edited["shared.weight"])
+    # GatheredParameters: rank 0 modifies, every rank (and the master shards) gets rank 0's values; nested.
+    with zeroshard.zero.GatheredParameters(model.head.parameters(), modifier_rank=0):
+        with zeroshard.zero.GatheredParameters([model.head.weight]):
+            assert model.head.weight.shape == (3, WIDTH)
+        if rank == 0:
+            with torch.no_grad():
+                model.head.weight.fill_(0.25)
+    assert model.head.weight.numel() == 0
+    with engine.gathered_parameters():
+        assert bool((model.head.weight == 0.25).all())
     # Generation-style loop: one gather for the whole block, none per call.
     with engine.gathered_parameters(), torch.no_grad():
         before = engine.comm.stats.total_bytes

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from zeroshard import zero
 from zeroshard.build import initialize
 from zeroshard.config import ZeroshardConfig, add_config_arguments
 from zeroshard.dist import init_distributed
@@ -21,4 +22,5 @@ __all__ = [
     "initialize",
     "register_external_parameter",
     "set_z3_leaf_modules",
+    "zero",
 ]

@@ -23,6 +23,7 @@ from zeroshard.optimizer import ShardedStep, normalize_param_groups, reseat_opti
 from zeroshard.precision import loss_scaler_from_config, policy_from_config
 from zeroshard.stages import StagePlan, plan_for
 from zeroshard.units import build_units
+from zeroshard.zero import install_state_dict_hooks, track
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +108,8 @@ def initialize(
         )
         gatherer.register()
         reducer.on_reduced = gatherer.on_reduced
+    track(units, gatherer, comm)
+    install_state_dict_hooks(model, units, gatherer)
     engine = ZeroshardEngine(
         model,
         config=cfg,

@@ -172,11 +172,17 @@ class Comm:
 
     def broadcast_from_first(self, tensor: torch.Tensor, *, what: str = "broadcast") -> Pending:
         """Overwrite ``tensor`` with the group's first rank's copy. Collective: call on all ranks."""
+        return self.broadcast(tensor, src=0, what=what)
+
+    def broadcast(self, tensor: torch.Tensor, *, src: int, what: str = "broadcast") -> Pending:
+        """Overwrite ``tensor`` with group rank ``src``'s copy. Collective: call on all ranks."""
+        if not 0 <= src < self.world_size:
+            raise ValueError(f"{what}: source rank {src} is outside the group's {self.world_size} ranks")
         if self.world_size == 1:
             return _DONE
-        src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+        root = dist.get_global_rank(self.group, src) if self.group is not None else src
         return self._launch(
-            what, "broadcast", tensor.numel() * tensor.element_size(), dist.broadcast, tensor, src=src
+            what, "broadcast", tensor.numel() * tensor.element_size(), dist.broadcast, tensor, src=root
         )
 
     def barrier(self, *, what: str = "barrier") -> None:

@@ -175,6 +175,12 @@ class FlatUnit:
         if shard.data_ptr() != self.master.data_ptr():
             shard.copy_(self.master)
 
+    def copy_full_to_master(self) -> None:
+        """Take this rank's slice of ``full`` (modified in place, e.g. by load_state_dict) into the master."""
+        shard = self.own_full_shard()
+        if shard.numel() and shard.data_ptr() != self.master.data_ptr():
+            self.master.copy_(shard)
+
     def zero_grad(self) -> None:
         if self.grad_full is not None:
             self.grad_full.zero_()

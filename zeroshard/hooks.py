@@ -245,7 +245,14 @@ class ParameterGatherer:
     @contextlib.contextmanager
     def hold_all(self) -> Iterator[None]:
         """Keep every unit gathered inside the block (one gather each), release on exit. Collective."""
-        units = sorted(self._all_units(), key=lambda u: u.index)
+        with self.hold(self._all_units()):
+            yield
+
+    @contextlib.contextmanager
+    def hold(self, units: Iterable[FlatUnit], write_back: bool = False) -> Iterator[None]:
+        """Keep ``units`` gathered inside the block; with ``write_back`` copy their full parameters back into
+        the master shards on exit (after an in-place modification). Collective: all ranks, same units."""
+        units = sorted(_unique(units), key=lambda u: u.index)
         for unit in units:
             if not unit.gathered:
                 self._start(unit)
@@ -256,6 +263,8 @@ class ParameterGatherer:
             yield
         finally:
             for unit in units:
+                if write_back:
+                    unit.copy_full_to_master()
                 self._users[unit.index] -= 1
                 if self._users[unit.index] == 0:
                     unit.release()
@@ -291,3 +300,10 @@ class ParameterGatherer:
             for unit in units:
                 seen[unit.index] = unit
         return list(seen.values())
+
+
+def _unique(units: Iterable[FlatUnit]) -> list[FlatUnit]:
+    out: dict[int, FlatUnit] = {}
+    for unit in units:
+        out.setdefault(unit.index, unit)
+    return list(out.values())

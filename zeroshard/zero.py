@@ -1,0 +1,128 @@
+"""Touching a sharded model from user code: ``GatheredParameters`` and full ``state_dict`` at stage 3.
+
+The names follow ``deepspeed.zero`` so ported code keeps working: ``zeroshard.zero.GatheredParameters``,
+``zeroshard.zero.register_external_parameter``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterable, Sequence
+from types import TracebackType
+from typing import Any
+
+from torch import nn
+
+from zeroshard.comm import Comm
+from zeroshard.flat_param import FlatUnit
+from zeroshard.hooks import ParameterGatherer, register_external_parameter
+
+__all__ = ["GatheredParameters", "register_external_parameter"]
+
+_Owner = tuple[FlatUnit, ParameterGatherer | None, Comm]
+# Keyed by id(param) with a weak reference to check identity (tensors cannot be dictionary keys by value).
+_OWNERS: dict[int, tuple[weakref.ref[nn.Parameter], _Owner]] = {}
+
+
+def track(units: Sequence[FlatUnit], gatherer: ParameterGatherer | None, comm: Comm) -> None:
+    """Remember which engine's unit holds each parameter (called by ``initialize``)."""
+    for key in [k for k, (ref, _) in _OWNERS.items() if ref() is None]:
+        del _OWNERS[key]
+    for unit in units:
+        for param in unit.params:
+            _OWNERS[id(param)] = (weakref.ref(param), (unit, gatherer, comm))
+
+
+def _owner(param: nn.Parameter) -> _Owner | None:
+    entry = _OWNERS.get(id(param))
+    return entry[1] if entry is not None and entry[0]() is param else None
+
+
+class GatheredParameters:
+    """Gather ``params`` for the block; with ``modifier_rank``, keep that rank's in-place changes.
+
+    Inside the block the parameters are full on every rank (at stages 0-2 they always are). On exit, when
+    ``modifier_rank`` is given, that rank's values are broadcast to every rank and written into the master
+    shards the optimizer steps, then stage-3 parameters are released again. Nested use is fine.
+
+    Collective: enter and leave on all ranks with the same parameters.
+    """
+
+    def __init__(
+        self,
+        params: nn.Parameter | Iterable[nn.Parameter],
+        modifier_rank: int | None = None,
+        fwd_module: nn.Module | None = None,
+        enabled: bool = True,
+    ) -> None:
+        plist: list[nn.Parameter] = [params] if isinstance(params, nn.Parameter) else list(params)
+        self.modifier_rank = modifier_rank
+        self.enabled = enabled
+        self._owned = [owner for owner in map(_owner, plist) if owner is not None]
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self) -> GatheredParameters:
+        if not self.enabled or not self._owned:
+            return self
+        by_gatherer: dict[int, tuple[ParameterGatherer, list[FlatUnit]]] = {}
+        for unit, gatherer, _ in self._owned:
+            if gatherer is not None and unit.plan.shard_parameters:
+                by_gatherer.setdefault(id(gatherer), (gatherer, []))[1].append(unit)
+        for gatherer, units in by_gatherer.values():
+            self._stack.enter_context(gatherer.hold(units))
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, err: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        try:
+            if self.enabled and self.modifier_rank is not None and kind is None:
+                units = {id(u): (u, comm) for u, _, comm in self._owned}
+                for unit, comm in sorted(units.values(), key=lambda uc: uc[0].index):
+                    comm.broadcast(
+                        unit.full, src=self.modifier_rank, what="GatheredParameters broadcast"
+                    ).wait()
+                    unit.copy_full_to_master()
+        finally:
+            self._stack.close()
+
+
+def install_state_dict_hooks(
+    model: nn.Module, units: Sequence[FlatUnit], gatherer: ParameterGatherer | None
+) -> None:
+    """``model.state_dict()`` returns full tensors and ``load_state_dict`` reaches the master shards.
+
+    At stage 3 both gather every unit for the duration (collective: call them on all ranks). The returned
+    tensors stay valid after the parameters are released again; ``keep_vars=True`` returns the live
+    parameters, which are placeholders outside ``engine.gathered_parameters()``.
+    """
+    held: list[contextlib.ExitStack] = []
+
+    def gather(keep_vars: bool = False) -> None:
+        stack = contextlib.ExitStack()
+        if gatherer is not None and not keep_vars:  # keep_vars asks for the live parameters: no gather
+            stack.enter_context(gatherer.hold_all())
+        held.append(stack)
+
+    def release(*_: Any) -> None:
+        if held:
+            held.pop().close()
+
+    loading: list[list[FlatUnit]] = []
+
+    def before_load(module: nn.Module, state: dict[str, Any], prefix: str, *_: Any) -> None:
+        # Only units whose parameters the incoming state names take the loaded values into their masters
+        # (a state with just buffers or extra state must not round the masters through the 16-bit copy).
+        loading.append([u for u in units if any(prefix + name in state for name in u.names)])
+        gather()
+
+    def write_back_and_release(*_: Any) -> None:
+        for unit in loading.pop() if loading else []:
+            unit.copy_full_to_master()
+        release()
+
+    model.register_state_dict_pre_hook(lambda module, prefix, keep_vars: gather(keep_vars))
+    model.register_state_dict_post_hook(lambda module, state, prefix, meta: release())
+    model.register_load_state_dict_pre_hook(before_load)
+    model.register_load_state_dict_post_hook(write_back_and_release)
