@@ -187,3 +187,29 @@ def test_missing_monitor_package_names_the_key_and_the_pip_command(
             Telemetry.from_config(cfg, rank=rank, world_size=2)
         message = str(err.value)
         assert f"{key}.enabled is true" in message and f"pip install 'zeroshard[{package}]'" in message
+
+
+def test_progress_bar_counts_steps_on_rank_0_only() -> None:
+    from zeroshard.telemetry import StepRecord, Telemetry
+
+    record = StepRecord(
+        global_step=1,
+        global_samples=4,
+        loss=1.5,
+        lr=[1e-3],
+        loss_scale=None,
+        grad_norm=None,
+        skipped_steps=0,
+        step_time_s=0.1,
+        samples_per_s=40.0,
+        comm_bytes=0,
+        memory_bytes=0,
+    )
+    shown = Telemetry(rank=0, world_size=2, progress=True)
+    hidden = Telemetry(rank=1, world_size=2, progress=True)
+    assert shown.reports and not hidden.reports
+    for _ in range(3):
+        shown.on_step(record)
+        hidden.on_step(record)
+    assert shown._bar is not None and shown._bar.n == 3 and hidden._bar is None
+    shown.close()

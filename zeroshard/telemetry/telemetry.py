@@ -16,8 +16,10 @@ Written at x = `global_samples` after the step, the x-axis DeepSpeed uses. DeepS
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
+from typing import Any
 
 from zeroshard.config import ZeroshardConfig
 from zeroshard.telemetry.monitors import Event, Monitor, build_monitors, check_available
@@ -77,8 +79,11 @@ class Telemetry:
         steps_per_print: int | None = None,
         wall_clock_breakdown: bool = False,
         monitors: Sequence[Monitor] = (),
+        progress: bool = False,
     ) -> None:
         self.rank = rank
+        # A progress bar only for a person watching rank 0's terminal; logs and pipes get log lines.
+        self._bar = _progress_bar() if progress and rank == 0 else None
         self.world_size = world_size
         self.steps_per_print = steps_per_print
         self.monitors = list(monitors) if rank == 0 else []
@@ -108,6 +113,7 @@ class Telemetry:
             steps_per_print=config.steps_per_print,
             wall_clock_breakdown=config.wall_clock_breakdown,
             monitors=monitors,
+            progress=sys.stderr.isatty(),
         )
 
     @property
@@ -121,7 +127,7 @@ class Telemetry:
         The engine may skip work only a report needs (the loss's `.item()`, which waits for the device,
         or measuring memory) when this is False.
         """
-        return self.rank == 0 and (bool(self.steps_per_print) or bool(self.monitors))
+        return self.rank == 0 and (bool(self.steps_per_print) or bool(self.monitors) or self._bar is not None)
 
     def timer(self, name: str) -> AbstractContextManager[None]:
         """Times the block inside under `name` ("forward", "backward", "reduce", "step"); a shared no-op
@@ -143,6 +149,11 @@ class Telemetry:
         self._steps_since_print += 1
         if self.rank != 0:
             return
+        if self._bar is not None:
+            loss = "" if record.loss is None else f"loss {record.loss:.4f} "
+            lr = f"lr {record.lr[0]:.2e}" if record.lr else ""
+            self._bar.set_postfix_str(loss + lr, refresh=False)
+            self._bar.update(1)
         if self.monitors:
             events = self._events(record, step_times)
             for monitor in self.monitors:
@@ -183,5 +194,16 @@ class Telemetry:
         if self._closed:
             return
         self._closed = True
+        if self._bar is not None:
+            self._bar.close()
         for monitor in self.monitors:
             monitor.close()
+
+
+def _progress_bar() -> Any:
+    """A tqdm bar counting optimizer steps, or None when tqdm is not installed (an optional extra)."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(unit="step", desc="zeroshard", dynamic_ncols=True)
