@@ -117,7 +117,9 @@ def initialize(
         comm=comm,
         units=units,
         reducer=reducer,
-        sharded_step=ShardedStep(units, slices, comm, plan),
+        sharded_step=ShardedStep(
+            units, slices, comm, plan, allgather_bucket_size=cfg.zero_optimization.allgather_bucket_size
+        ),
         optimizer=opt,
         lr_scheduler=scheduler,
         local_rank=local_rank(),

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from zeroshard.comm import Comm
+from zeroshard.comm import Comm, Pending
 from zeroshard.flat_param import FlatUnit, OptimizerSlice
 from zeroshard.stages import StagePlan
 
@@ -107,8 +107,14 @@ class ShardedStep:
     """
 
     def __init__(
-        self, units: Sequence[FlatUnit], slices: Sequence[OptimizerSlice], comm: Comm, plan: StagePlan
+        self,
+        units: Sequence[FlatUnit],
+        slices: Sequence[OptimizerSlice],
+        comm: Comm,
+        plan: StagePlan,
+        allgather_bucket_size: int = 500_000_000,
     ) -> None:
+        self.allgather_bucket_size = allgather_bucket_size
         self.units = list(units)
         self.slices = list(slices)
         self.comm = comm
@@ -165,15 +171,22 @@ class ShardedStep:
     def gather_params(self) -> None:
         """Copy stepped masters into the full parameters; all-gather them where shards differ per rank.
 
-        Units whose parameters are sharded between uses (stage 3) are left alone: their next gather reads
-        the master.
+        At most ``allgather_bucket_size`` elements are in flight at once. Units whose parameters are sharded
+        between uses (stage 3) are left alone: their next gather reads the master.
         """
         for unit in self.units:
             unit.copy_master_to_full()
-        pendings = [
-            self.comm.all_gather(u.full, u.own_full_shard(), what=f"parameter all_gather of unit {u.index}")
-            for u in self.units
-            if u.plan.gather_after_step
-        ]
-        for pending in pendings:
+        inflight: list[Pending] = []
+        elements = 0
+        for unit in self.units:
+            if not unit.plan.gather_after_step:
+                continue
+            if inflight and elements + unit.layout.padded > self.allgather_bucket_size:
+                for pending in inflight:
+                    pending.wait()
+                inflight, elements = [], 0
+            what = f"parameter all_gather of unit {unit.index}"
+            inflight.append(self.comm.all_gather(unit.full, unit.own_full_shard(), what=what))
+            elements += unit.layout.padded
+        for pending in inflight:
             pending.wait()
