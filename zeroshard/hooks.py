@@ -171,23 +171,30 @@ class ParameterGatherer:
     # -- gathering -----------------------------------------------------------------------------------
     def gather(self, units: Iterable[FlatUnit]) -> None:
         """Make ``units`` gathered, prefetching what came next last step. Collective: all ranks."""
+        units = list(units)
         missing = [u for u in units if not u.gathered and u.index not in self._done]
         self._order.extend(missing)
         if missing:
             self._advance_cursor(missing[-1])
-        for unit in missing:
-            self._start(unit)
-        self._prefetch()
+        # One check for the units needed now and the ones prefetched with them.
+        self._start_many(missing + self._prefetch_candidates(missing))
         for unit in units:
             unit.finish_gather()
         live = sum(u.full.numel() * u.full.element_size() for u in self._all_units() if u.gathered)
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, live)
 
-    def _start(self, unit: FlatUnit) -> None:
-        """Launch ``unit``'s all-gather after checking that every rank is about to gather the same unit."""
-        indices = self.comm.agree(unit.index, what=f"stage-3 gather check of unit {unit.index}")
-        if any(i != unit.index for i in indices):
-            by_rank = ", ".join(f"rank {r}: {self._describe(i)}" for r, i in enumerate(indices))
+    def _start_many(self, units: list[FlatUnit]) -> None:
+        """Launch the all-gathers of ``units`` after one check that every rank is about to gather the same
+        units (a fixed-size collective, so ranks on different paths meet in it and can say so)."""
+        if not units:
+            return
+        key = _sequence_key([u.index for u in units])
+        if any(k != key for k in self.comm.agree(key, what="stage-3 gather check")):
+            lists = self.comm.all_gather_object([u.index for u in units])  # every rank is on this path now
+            by_rank = "; ".join(
+                f"rank {r}: " + ", ".join(self._describe(i) for i in indices)
+                for r, indices in enumerate(lists)
+            )
             raise RuntimeError(
                 f"rank {self.comm.rank}: ZeRO stage 3 needs every rank to run the same modules in the same "
                 f"order, but the ranks are about to gather different parameters ({by_rank}). A module that "
@@ -196,7 +203,8 @@ class ParameterGatherer:
                 "with a module every rank runs (zeroshard.set_z3_leaf_modules(model, [ParentClass]) or "
                 "zeroshard.register_external_parameter(parent, param))"
             )
-        unit.start_gather(self.comm)
+        for unit in units:
+            unit.start_gather(self.comm)
 
     def _describe(self, index: int) -> str:
         for unit in self._all_units():
@@ -211,20 +219,23 @@ class ParameterGatherer:
                 self._cursor = pos + 1
                 return
 
-    def _prefetch(self) -> None:
+    def _prefetch_candidates(self, now: list[FlatUnit]) -> list[FlatUnit]:
+        """Units that followed in last step's order, within the prefetch and live-parameter budgets."""
         if not self._schedule or self.prefetch_elements <= 0:
-            return
+            return []
         budget = self.prefetch_elements
-        live = sum(u.layout.padded for u in self._all_units() if u.gathered)
+        live = sum(u.layout.padded for u in self._all_units() if u.gathered or u in now)
+        out: list[FlatUnit] = []
         for unit in self._schedule[self._cursor :]:
             if budget <= 0:
                 break
-            if not unit.gathered and unit.index not in self._done:
+            if not unit.gathered and unit.index not in self._done and unit not in now and unit not in out:
                 if live + unit.layout.padded > self.max_live_elements:
                     break  # stage3_max_live_parameters
-                self._start(unit)
+                out.append(unit)
                 live += unit.layout.padded
             budget -= unit.layout.padded
+        return out
 
     def _reused_soon(self, unit: FlatUnit) -> bool:
         """Whether last step's order uses ``unit`` again within ``max_reuse_distance`` elements.
@@ -253,9 +264,7 @@ class ParameterGatherer:
         """Keep ``units`` gathered inside the block; with ``write_back`` copy their full parameters back into
         the master shards on exit (after an in-place modification). Collective: all ranks, same units."""
         units = sorted(_unique(units), key=lambda u: u.index)
-        for unit in units:
-            if not unit.gathered:
-                self._start(unit)
+        self._start_many([u for u in units if not u.gathered])
         for unit in units:
             unit.finish_gather()
             self._users[unit.index] += 1
@@ -307,3 +316,11 @@ def _unique(units: Iterable[FlatUnit]) -> list[FlatUnit]:
     for unit in units:
         out.setdefault(unit.index, unit)
     return list(out.values())
+
+
+def _sequence_key(indices: list[int]) -> int:
+    """An order-sensitive 62-bit fingerprint of a list of unit indices (equal lists, equal keys)."""
+    key = len(indices)
+    for index in indices:
+        key = (key * 1_000_003 + index + 1) % (1 << 62)
+    return key

@@ -157,9 +157,9 @@ class ShardedStep:
 
     def grad_norm(self) -> float:
         """Global L2 norm of the reduced gradients (one all-reduce when gradients are sharded)."""
-        local = torch.zeros((), dtype=torch.float64)
-        for grad in self._grads.values():
-            local += grad.double().pow(2).sum()
+        # Per-unit fp32 norms, as torch.nn.utils.clip_grad_norm_ computes them (no fp64 copy of the grads).
+        norms = [torch.linalg.vector_norm(g) for g in self._grads.values() if g.numel()]
+        local = torch.stack(norms).double().pow(2).sum() if norms else torch.zeros((), dtype=torch.float64)
         if self.plan.shard_optimizer:
             local = self.comm.sum_scalar(local, what="gradient-norm all_reduce")
         return math.sqrt(float(local))
