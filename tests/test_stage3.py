@@ -216,3 +216,42 @@ def api_cases(rank: int, world_size: int) -> None:
 
 def test_stage3_module_api() -> None:
     run_distributed(api_cases, 2)
+
+
+def init_cases(rank: int, world_size: int) -> None:
+    from zeroshard.zero import _PARTITIONED
+
+    k = 8
+    block_bytes = (WIDTH * WIDTH + WIDTH) * 4
+    ref = _blocks(k)  # the same seed, built whole in one process
+    torch.manual_seed(0)
+    with zeroshard.zero.Init():
+        model = nn.Sequential(*[nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(k)])
+    resident = sum(p.numel() * p.element_size() for p in model.parameters())
+    shards = sum(entry[2].numel() * entry[2].element_size() for entry in _PARTITIONED.values())
+    # The budget: this rank's 1/W of the model (plus padding), nothing full.
+    assert resident == 0 and shards <= k * block_bytes / world_size + 64 * k
+    engine, _, _, _ = zeroshard.initialize(
+        model=model, model_parameters=model.parameters(), config=_config(3)
+    )
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    with engine.gathered_parameters():
+        for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+            assert torch.equal(p, q)  # initial values equal the whole-model build
+    for step in range(2):
+        xs = [
+            torch.randn(2, WIDTH, generator=torch.Generator().manual_seed(10 * step + r))
+            for r in range(world_size)
+        ]
+        engine.backward(engine(xs[rank]).pow(2).mean())
+        engine.step()
+        ref(torch.cat(xs)).pow(2).mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    with engine.gathered_parameters():
+        for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_zero_init_builds_partitioned_and_trains_like_the_whole_model() -> None:
+    run_distributed(init_cases, 2)

@@ -25,6 +25,7 @@ from zeroshard.flat_param import FlatUnit
 from zeroshard.hooks import external_parameters, leaf_classes
 from zeroshard.precision import DtypePolicy
 from zeroshard.stages import STAGES, StagePlan
+from zeroshard.zero import full_numel, materialize
 
 Named = list[tuple[str, nn.Parameter]]
 
@@ -62,6 +63,7 @@ def build_units(
 def _make(units: list[FlatUnit], named: Named, plan: StagePlan, policy: DtypePolicy, comm: Comm) -> FlatUnit:
     world = comm.world_size if plan.shard_optimizer else 1
     rank = comm.rank if plan.shard_optimizer else 0
+    materialize([p for _, p in named], comm)  # zero.Init: full values for one unit at a time
     unit = FlatUnit(
         len(units),
         [p for _, p in named],
@@ -82,11 +84,11 @@ def _bucket_units(
     current: Named = []
     size = 0
     for name, p in named:
-        if current and (size + p.numel() > max(1, limit) or p.device != current[0][1].device):
+        if current and (size + full_numel(p) > max(1, limit) or p.device != current[0][1].device):
             _make(units, current, plan, policy, comm)
             current, size = [], 0
         current.append((name, p))
-        size += p.numel()
+        size += full_numel(p)
     if current:
         _make(units, current, plan, policy, comm)
 
@@ -141,7 +143,7 @@ def _stage3_units(
             persistent.clear()
 
     for _, own in owners:
-        if sum(p.numel() for _, p in own) <= zero.param_persistence_threshold:
+        if sum(full_numel(p) for _, p in own) <= zero.param_persistence_threshold:
             persistent.extend(own)
             continue
         flush_persistent()

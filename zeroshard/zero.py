@@ -12,13 +12,15 @@ from collections.abc import Iterable, Sequence
 from types import TracebackType
 from typing import Any
 
+import torch
 from torch import nn
 
 from zeroshard.comm import Comm
 from zeroshard.flat_param import FlatUnit
 from zeroshard.hooks import ParameterGatherer, register_external_parameter
+from zeroshard.layout import FlatLayout
 
-__all__ = ["GatheredParameters", "register_external_parameter"]
+__all__ = ["GatheredParameters", "Init", "register_external_parameter"]
 
 _Owner = tuple[FlatUnit, ParameterGatherer | None, Comm]
 # Keyed by id(param) with a weak reference to check identity (tensors cannot be dictionary keys by value).
@@ -126,3 +128,100 @@ def install_state_dict_hooks(
     model.register_state_dict_post_hook(lambda module, state, prefix, meta: release())
     model.register_load_state_dict_pre_hook(before_load)
     model.register_load_state_dict_post_hook(write_back_and_release)
+
+
+# -- building a model already partitioned -----------------------------------------------------------------
+# id(param) -> (weak reference, full shape, this rank's slice of the flattened parameter, world size)
+_PARTITIONED: dict[int, tuple[weakref.ref[nn.Parameter], torch.Size, torch.Tensor, int]] = {}
+
+
+class Init:
+    """Build a model partitioned: each submodule's parameters are cut to this rank's slice as soon as the
+    submodule is attached to its parent, so the whole model never exists on one rank.
+
+    Every rank builds each submodule in full (with the same seed every rank gets the same values, equal to
+    building the whole model in one process) and keeps 1/W of it; the full values exist for one submodule
+    at a time. ``initialize`` then gathers one unit at a time to lay out the shards it trains. Parameters
+    owned directly by the outermost model are not partitioned until ``initialize``.
+
+    Code that changes a submodule's parameters after the submodule is attached (e.g. ``self.apply(init)`` at
+    the end of the model's ``__init__``) sees empty placeholders inside this context: move such
+    initialisation into the submodules' own ``__init__``, or do it after ``initialize`` inside
+    ``GatheredParameters(..., modifier_rank=0)``.
+
+    Collective in effect: every rank must build the same model. ``config`` and the other DeepSpeed keyword
+    arguments are accepted for compatibility; ``enabled=False`` builds the model normally.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module | None = None,
+        data_parallel_group: Any = None,
+        config_dict_or_path: Any = None,
+        config: Any = None,
+        enabled: bool = True,
+        dtype: torch.dtype | None = None,
+        **_: Any,
+    ) -> None:
+        self.enabled = enabled
+        self.dtype = dtype
+        self.comm = Comm(data_parallel_group)
+        self._handle: Any = None
+
+    def __enter__(self) -> Init:
+        if self.enabled:
+            register = nn.modules.module.register_module_module_registration_hook
+            self._handle = register(self._on_child)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+    def _on_child(self, parent: nn.Module, name: str, child: nn.Module | None) -> None:
+        if child is None:
+            return
+        for param in child.parameters(recurse=False):
+            if id(param) not in _PARTITIONED and param.requires_grad:
+                self._partition(param)
+
+    def _partition(self, param: nn.Parameter) -> None:
+        if self.dtype is not None and param.is_floating_point():
+            param.data = param.data.to(self.dtype)
+        world, rank = self.comm.world_size, self.comm.rank
+        layout = FlatLayout.for_shapes([param.numel()], world)
+        lo, hi = layout.shard_range(rank)
+        shard = torch.zeros(layout.shard_size, dtype=param.dtype, device=param.device)
+        flat = param.detach().reshape(-1)
+        end = min(hi, flat.numel())
+        if end > lo:
+            shard[: end - lo].copy_(flat[lo:end])
+        _PARTITIONED[id(param)] = (weakref.ref(param), param.shape, shard, world)
+        param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+
+
+def full_numel(param: nn.Parameter) -> int:
+    """The parameter's element count, also while ``Init`` keeps it partitioned."""
+    entry = _PARTITIONED.get(id(param))
+    return param.numel() if entry is None or entry[0]() is not param else entry[1].numel()
+
+
+def materialize(params: Iterable[nn.Parameter], comm: Comm) -> None:
+    """Give ``Init``-partitioned ``params`` their full values again (one all-gather each).
+
+    Collective: call on all ranks with the same parameters, in the same order.
+    """
+    for param in params:
+        entry = _PARTITIONED.pop(id(param), None)
+        if entry is None or entry[0]() is not param:
+            continue
+        _, shape, shard, world = entry
+        if world != comm.world_size:
+            raise RuntimeError(
+                f"rank {comm.rank}: a parameter was partitioned by zeroshard.zero.Init over {world} ranks "
+                f"but initialize() runs on {comm.world_size}: build the model with the same process group"
+            )
+        full = torch.empty(world * shard.numel(), dtype=shard.dtype, device=shard.device)
+        comm.all_gather(full, shard, what="zero.Init parameter gather").wait()
+        param.data = full[: shape.numel()].view(shape).clone()
