@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -12,7 +13,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from zeroshard.comm import Comm
-from zeroshard.config import ZeroshardConfig, load_config, resolve_config_source
+from zeroshard.config import ConfigWarning, ZeroshardConfig, load_config, resolve_config_source
 from zeroshard.dist import init_distributed, local_rank
 from zeroshard.engine import ZeroshardEngine
 from zeroshard.grad_sync import Averaging, GradientReducer
@@ -64,13 +65,16 @@ def initialize(
     comm = Comm(group)
     source = resolve_config_source(config, config_params, args)
     client_opt = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
-    cfg = load_config(
-        source,
-        world_size=comm.world_size,
-        hidden_size=_hidden_size(model),
-        model_dtype=next((p.dtype for p in model.parameters()), None),
-        client_optimizer=client_opt,
-    )
+    with warnings.catch_warnings():
+        if comm.rank != 0:  # every rank validates; rank 0 alone tells the user
+            warnings.simplefilter("ignore", ConfigWarning)
+        cfg = load_config(
+            source,
+            world_size=comm.world_size,
+            hidden_size=_hidden_size(model),
+            model_dtype=next((p.dtype for p in model.parameters()), None),
+            client_optimizer=client_opt,
+        )
     plan = plan_for(cfg.zero_optimization.stage)
     policy = policy_from_config(cfg)
     if comm.rank == 0:
