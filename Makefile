@@ -37,6 +37,7 @@ help:
 	@echo "make lint          ruff check + ruff format --check + mypy zeroshard"
 	@echo "make format        ruff format + ruff check --fix"
 	@echo "make install       create $(VENV) and install torch==$(TORCH_VERSION) and zeroshard[dev] into it"
+	@echo "make bench         zeroshard vs DDP, ZeRO-1, FSDP2, DeepSpeed (bench/peers.py); bench-quick: smoke"
 	@echo "make clean         remove caches;  make distclean  also removes $(VENV)"
 
 $(PY):
@@ -84,3 +85,23 @@ clean:
 
 distclean: clean
 	rm -rf $(VENV)
+
+# Benchmarks against the peers (issue 7). DeepSpeed lives in its own venv beside the same torch: pinned, since
+# an unpinned torch would fetch a CUDA build; DS_BUILD_OPS=0 skips compiling its C++/CUDA ops at install.
+PEERS_VENV := bench/.venv-peers
+PEERS_STAMP := $(PEERS_VENV)/.installed
+.PHONY: bench bench-quick
+
+$(PEERS_STAMP):
+	$(PYTHON) -m venv $(PEERS_VENV)
+	DS_BUILD_OPS=0 $(PEERS_VENV)/bin/python -m pip --quiet --disable-pip-version-check --no-input install \
+		"torch==$(TORCH_VERSION)" "deepspeed==0.19.*" psutil
+	@touch $@
+
+# Both model sizes, all systems, DeepSpeed included; rewrites bench/results/peers.json and docs/benchmarks.md.
+bench: $(STAMP) $(PEERS_STAMP)
+	$(PY) bench/peers.py $(BENCH_ARGS)
+
+# Tiny model, 3 steps, torch peers + zeroshard, one process pair: a smoke test (~15 s), writes no docs.
+bench-quick: $(STAMP)
+	$(PY) bench/peers.py --quick

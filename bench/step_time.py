@@ -25,36 +25,24 @@ import json
 import os
 import platform
 import pstats
-import queue
 import resource
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-# One intra-op thread per process: two ranks on two cores. Set before torch is imported so every spawned
-# child (which re-imports this module) inherits it.
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-# glibc would otherwise keep freed large blocks in its heap and peak RSS would measure the allocator; the
-# same setting PEERS.md's RSS ratios were taken with.
-os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+# First: common sets OMP_NUM_THREADS and MALLOC_MMAP_THRESHOLD_ before torch is imported.
+from common import ROOT, WORLD_SIZE, ds_config, rss, run_pair
 
+# isort: split
 import psutil
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from train_gpt import GPT, GPTConfig
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "examples"))
-
-from train_gpt import GPT, GPTConfig  # noqa: E402
-
-import zeroshard  # noqa: E402
-
-WORLD_SIZE = 2
+import zeroshard
 
 # PEERS.md's small model: 4 layers, width 384, vocab 8192, 8 x 128 tokens per step (4 per rank).
 FULL = {
@@ -93,20 +81,6 @@ def variants(n_embd: int) -> dict[str, dict[str, Any]]:
             "stage3_prefetch_bucket_size": 50_000_000,
         },
     }
-
-
-def ds_config(zero: dict[str, Any], micro_batch: int) -> dict[str, Any]:
-    return {
-        "train_micro_batch_size_per_gpu": micro_batch,
-        "gradient_accumulation_steps": 1,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
-        "gradient_clipping": 1.0,
-        "zero_optimization": zero,
-    }
-
-
-def rss() -> int:
-    return psutil.Process().memory_info().rss
 
 
 _BASELINE: int | None = None
@@ -188,64 +162,6 @@ def worker(rank: int, spec: dict[str, Any]) -> dict[str, Any]:
         pstats.Stats(profiler, stream=s).sort_stats("cumulative").print_stats(35)
         out["profile_cumulative"] = s.getvalue()
     return out
-
-
-def _entry(rank: int, init_file: str, spec: dict[str, Any], results: Any) -> None:
-    torch.set_num_threads(1)
-    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        os.environ.pop(key, None)  # join through the file rendezvous, not a launcher's env
-    try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"file://{init_file}",
-            rank=rank,
-            world_size=WORLD_SIZE,
-            timeout=datetime.timedelta(seconds=120),
-        )
-        results.put((rank, "ok", [worker(rank, s) for s in spec["runs"]]))
-    except BaseException as e:  # report to the parent instead of hanging it
-        import traceback
-
-        results.put((rank, "error", f"{e!r}\n{traceback.format_exc()}"))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def run_pair(spec: dict[str, Any], timeout: float = 900) -> list[list[dict[str, Any]]]:
-    """Run ``worker`` for each of ``spec["runs"]`` on two spawned ranks; per rank, the list of results."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        init_file = os.path.join(tmp, "rendezvous")
-        procs = [
-            ctx.Process(target=_entry, args=(r, init_file, spec, results), daemon=True)
-            for r in range(WORLD_SIZE)
-        ]
-        for p in procs:
-            p.start()
-        out: dict[int, Any] = {}
-        deadline = time.monotonic() + timeout
-        try:
-            while len(out) < WORLD_SIZE:
-                try:
-                    rank, status, value = results.get(timeout=max(0.1, min(1.0, deadline - time.monotonic())))
-                except queue.Empty:
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(f"{spec['name']}: timed out after {timeout} s") from None
-                    if all(not p.is_alive() for p in procs) and results.empty():
-                        raise RuntimeError(f"{spec['name']}: workers exited without a result") from None
-                    continue
-                if status != "ok":
-                    raise RuntimeError(f"{spec['name']} rank {rank} failed:\n{value}")
-                out[rank] = value
-        finally:
-            for p in procs:
-                p.join(timeout=10)
-                if p.is_alive():
-                    p.kill()
-                    p.join()
-    return [out[r] for r in range(WORLD_SIZE)]
 
 
 def summarise(rounds: list[dict[str, list[dict[str, Any]]]], names: list[str]) -> dict[str, dict[str, Any]]:
@@ -340,7 +256,7 @@ def main() -> None:
     if args.quick:
         # One process pair runs everything in order (spawning costs seconds); peak RSS is then cumulative.
         order = [(r, n) for r in range(base["rounds"]) for n in names]
-        per_rank = run_pair({"name": "quick", "runs": [spec_for(n, r) for r, n in order]})
+        per_rank = run_pair(worker, {"name": "quick", "runs": [spec_for(n, r) for r, n in order]})
         for i, (r, name) in enumerate(order):
             if name == names[0]:
                 rounds.append({})
@@ -352,7 +268,7 @@ def main() -> None:
             rnd: dict[str, list[dict[str, Any]]] = {}
             for name in names:
                 t0 = time.time()
-                rnd[name] = [x[0] for x in run_pair({"name": name, "runs": [spec_for(name, r)]})]
+                rnd[name] = [x[0] for x in run_pair(worker, {"name": name, "runs": [spec_for(name, r)]})]
                 show(r, name, rnd[name], f" ({time.time() - t0:.1f} s wall)")
             rounds.append(rnd)
 
