@@ -120,6 +120,7 @@ def reachable_tensor_bytes(roots: list[Any]) -> int:
     def visit(o: Any, depth: int) -> None:
         nonlocal total
         if isinstance(o, torch.Tensor):
+            extras = (o.grad, getattr(o, "ds_tensor", None))  # read before a DTensor becomes its local shard
             if type(o).__name__ == "DTensor":
                 o = o.to_local()
             if o.device.type != "meta":
@@ -127,11 +128,11 @@ def reachable_tensor_bytes(roots: list[Any]) -> int:
                 if st.data_ptr() and st.data_ptr() not in seen:
                     seen.add(st.data_ptr())
                     total += st.nbytes()
-            for extra in (o.grad, getattr(o, "ds_tensor", None)):
+            for extra in extras:
                 if extra is not None:
                     visit(extra, depth)
             return
-        if depth > 4 or id(o) in visited:
+        if depth > 8 or id(o) in visited:
             return
         visited.add(id(o))
         if isinstance(o, dict):

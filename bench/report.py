@@ -79,7 +79,7 @@ def plots(doc: dict[str, Any]) -> list[str]:
                 ax.set_ylabel("median step time × DDP")
             ax.set_xticks(range(4), [f"stage {i}" for i in range(4)])
             ax.set_title(f"{size_name}: {size['num_parameters'] / 1e6:.1f}M parameters, W=2 gloo CPU")
-            ax.legend(fontsize=8)
+            ax.legend(fontsize=8, loc="lower left", framealpha=0.9)
             fig.tight_layout()
             name = f"bench_{size_name}_{what}.png"
             fig.savefig(ROOT / "docs" / name, dpi=90)
