@@ -87,15 +87,16 @@ SYSTEMS: dict[str, tuple[int, str]] = {
     **{f"deepspeed-stage{s}": (s, "deepspeed") for s in range(4)},
 }
 
-# Bytes of full-size buffers one rank hands to collectives per step, in units of 4N (fp32): the formula used
-# for the peers (they expose no counter). all-reduce 1, all-gather 1, reduce-scatter 1, broadcast-all 1.
+# Bytes one rank moves per step, in units of 4N (fp32), counted as zeroshard's ``comm.stats`` counts them: a
+# ring all-reduce 2 x its buffer, an all-gather, reduce-scatter or broadcast-all 1 x the full buffer. The
+# formula used for the peers (they expose no counter).
 COMM_FORMULA_4N = {
-    "ddp": 1,  # all-reduce gradients
-    "torch-zero1": 2,  # all-reduce gradients, broadcast updated shards
+    "ddp": 2,  # all-reduce gradients
+    "torch-zero1": 3,  # all-reduce gradients, broadcast updated shards
     "fsdp2-noreshard": 2,  # all-gather once, reduce-scatter gradients
     "fsdp2": 3,  # all-gather forward and backward, reduce-scatter
-    "deepspeed-stage0": 1,
-    "deepspeed-stage1": 2,
+    "deepspeed-stage0": 2,  # all-reduce
+    "deepspeed-stage1": 2,  # reduce-scatter gradients, all-gather parameters
     "deepspeed-stage2": 2,
     "deepspeed-stage3": 3,
 }
@@ -354,6 +355,11 @@ def main() -> None:
     parser.add_argument("--no-deepspeed", action="store_true", help="leave DeepSpeed out")
     parser.add_argument("--out", type=Path, help="JSON output (default bench/results/peers[_quick].json)")
     parser.add_argument("--no-docs", action="store_true", help="do not regenerate docs/benchmarks.md")
+    parser.add_argument(
+        "--resummarise",
+        action="store_true",
+        help="recompute summaries and docs from the raw results in --out",
+    )
     parser.add_argument("--pair", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.pair:  # child interpreter: one process pair, results to a file
@@ -361,6 +367,16 @@ def main() -> None:
         Path(args.pair[1]).write_text(json.dumps(run_pair(worker, spec)))
         return
 
+    if args.resummarise:
+        path = args.out or RESULTS / "peers.json"
+        doc = json.loads(path.read_text())
+        for size in doc["sizes"].values():
+            size["summary"] = summarise(size["raw"], size["reference_losses"])
+        path.write_text(json.dumps(doc, indent=1))
+        import report
+
+        report.write_docs(doc)
+        return
     sizes = ["quick"] if args.quick else (["small", "large"] if args.size == "both" else [args.size])
     use_ds = not args.no_deepspeed and PEERS_PY.exists() and (not args.quick or bool(args.only))
     systems = [s for s, (_, where) in SYSTEMS.items() if where != "deepspeed" or use_ds]
