@@ -8,16 +8,18 @@ shard of a parameter gives the same values as stepping the whole parameter.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from zeroshard.optimizers._base import GroupwiseOptimizer
+
 __all__ = ["DeepSpeedAdam"]
 
 
-class DeepSpeedAdam(torch.optim.Optimizer):
+class DeepSpeedAdam(GroupwiseOptimizer):
     """Adam with optional bias correction and L2 or decoupled weight decay.
 
     Per step, for each parameter ``p`` with gradient ``g`` (``t`` counts this parameter's steps)::
@@ -69,24 +71,6 @@ class DeepSpeedAdam(torch.optim.Optimizer):
             adam_w_mode=adam_w_mode,
         )
         super().__init__(params, defaults)
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """Perform one update of every parameter that has a gradient.
-
-        Args:
-            closure: Optional callable that re-evaluates the model and returns the loss.
-
-        Returns:
-            The closure's loss, or None.
-        """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            self._step_group(group)
-        return loss
 
     def _step_group(self, group: dict[str, Any]) -> None:
         params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []

@@ -9,18 +9,19 @@ therefore refuses LAMB at stages that split parameters.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from zeroshard.optimizers._base import GroupwiseOptimizer
 from zeroshard.optimizers.adam import _as_float
 
 __all__ = ["Lamb"]
 
 
-class Lamb(torch.optim.Optimizer):
+class Lamb(GroupwiseOptimizer):
     """LAMB: Adam moments, trust-ratio-scaled update per parameter.
 
     Per step, for each parameter ``p`` with gradient ``g`` (``t`` counts this parameter's steps)::
@@ -80,24 +81,6 @@ class Lamb(torch.optim.Optimizer):
             eps_inside_sqrt=eps_inside_sqrt,
         )
         super().__init__(params, defaults)
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """Perform one update of every parameter that has a gradient.
-
-        Args:
-            closure: Optional callable that re-evaluates the model and returns the loss.
-
-        Returns:
-            The closure's loss, or None.
-        """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            self._step_group(group)
-        return loss
 
     def _step_group(self, group: dict[str, Any]) -> None:
         params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []

@@ -6,18 +6,19 @@ parameter.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from zeroshard.optimizers._base import GroupwiseOptimizer
 from zeroshard.optimizers.adam import _as_float
 
 __all__ = ["Lion"]
 
 
-class Lion(torch.optim.Optimizer):
+class Lion(GroupwiseOptimizer):
     """Lion: a sign update of an interpolated momentum.
 
     Per step, for each parameter ``p`` with gradient ``g``::
@@ -52,43 +53,28 @@ class Lion(torch.optim.Optimizer):
             raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay))
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """Perform one update of every parameter that has a gradient.
-
-        Args:
-            closure: Optional callable that re-evaluates the model and returns the loss.
-
-        Returns:
-            The closure's loss, or None.
-        """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            params, grads, exp_avgs = [], [], []
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("Lion does not support sparse gradients")
-                state = self.state[p]
-                if not state:
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                params.append(p)
-                grads.append(p.grad)
-                exp_avgs.append(state["exp_avg"])
-            if not params:
+    def _step_group(self, group: dict[str, Any]) -> None:
+        params, grads, exp_avgs = [], [], []
+        for p in group["params"]:
+            if p.grad is None:
                 continue
-            beta1, beta2 = group["betas"]
-            lr = _as_float(group["lr"])
-            if group["weight_decay"] != 0.0:
-                torch._foreach_mul_(params, 1.0 - lr * group["weight_decay"])
-            directions = torch._foreach_mul(exp_avgs, beta1)
-            torch._foreach_add_(directions, grads, alpha=1.0 - beta1)
-            torch._foreach_sign_(directions)
-            torch._foreach_add_(params, directions, alpha=-lr)
-            torch._foreach_mul_(exp_avgs, beta2)
-            torch._foreach_add_(exp_avgs, grads, alpha=1.0 - beta2)
-        return loss
+            if p.grad.is_sparse:
+                raise RuntimeError("Lion does not support sparse gradients")
+            state = self.state[p]
+            if not state:
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            params.append(p)
+            grads.append(p.grad)
+            exp_avgs.append(state["exp_avg"])
+        if not params:
+            return
+        beta1, beta2 = group["betas"]
+        lr = _as_float(group["lr"])
+        if group["weight_decay"] != 0.0:
+            torch._foreach_mul_(params, 1.0 - lr * group["weight_decay"])
+        directions = torch._foreach_mul(exp_avgs, beta1)
+        torch._foreach_add_(directions, grads, alpha=1.0 - beta1)
+        torch._foreach_sign_(directions)
+        torch._foreach_add_(params, directions, alpha=-lr)
+        torch._foreach_mul_(exp_avgs, beta2)
+        torch._foreach_add_(exp_avgs, grads, alpha=1.0 - beta2)
