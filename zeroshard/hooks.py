@@ -103,6 +103,7 @@ class ParameterGatherer:
         self.max_reuse_distance = max_reuse_distance
         self._units_of: dict[int, list[FlatUnit]] = {}
         self._modules: dict[int, nn.Module] = {}
+        self._units_cache: list[FlatUnit] | None = None
         for module, units in module_units:
             self._units_of[id(module)] = list(units)
             self._modules[id(module)] = module
@@ -133,6 +134,7 @@ class ParameterGatherer:
         units = self._units_of.setdefault(id(module), [])
         if unit not in units:
             units.append(unit)
+            self._units_cache = None
         if id(module) not in self._modules:
             self._modules[id(module)] = module
             self._handles.append(module.register_forward_pre_hook(self._make_pre(id(module))))
@@ -263,7 +265,7 @@ class ParameterGatherer:
     def hold(self, units: Iterable[FlatUnit], write_back: bool = False) -> Iterator[None]:
         """Keep ``units`` gathered inside the block; with ``write_back`` copy their full parameters back into
         the master shards on exit (after an in-place modification). Collective: all ranks, same units."""
-        units = sorted(_unique(units), key=lambda u: u.index)
+        units = sorted(unique_units(units), key=lambda u: u.index)
         self._start_many([u for u in units if not u.gathered])
         for unit in units:
             unit.finish_gather()
@@ -304,14 +306,13 @@ class ParameterGatherer:
         self._cursor = 0
 
     def _all_units(self) -> list[FlatUnit]:
-        seen: dict[int, FlatUnit] = {}
-        for units in self._units_of.values():
-            for unit in units:
-                seen[unit.index] = unit
-        return list(seen.values())
+        """Every unit any hooked module gathers (cached: called on every gather)."""
+        if self._units_cache is None:
+            self._units_cache = unique_units(u for units in self._units_of.values() for u in units)
+        return self._units_cache
 
 
-def _unique(units: Iterable[FlatUnit]) -> list[FlatUnit]:
+def unique_units(units: Iterable[FlatUnit]) -> list[FlatUnit]:
     out: dict[int, FlatUnit] = {}
     for unit in units:
         out.setdefault(unit.index, unit)

@@ -13,7 +13,6 @@ module that owns it directly gathers that unit before computing.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -22,7 +21,7 @@ from torch import nn
 from zeroshard.comm import Comm
 from zeroshard.config import ZeroshardConfig
 from zeroshard.flat_param import FlatUnit
-from zeroshard.hooks import external_parameters, leaf_classes
+from zeroshard.hooks import external_parameters, leaf_classes, unique_units
 from zeroshard.precision import DtypePolicy
 from zeroshard.stages import STAGES, StagePlan
 from zeroshard.zero import full_numel, materialize
@@ -153,15 +152,8 @@ def _stage3_units(
 
     module_units = []
     for module, params in uses:
-        needed = _unique(unit_of[id(p)] for p in params)
+        needed = unique_units(unit_of[id(p)] for p in params)
         needed = [u for u in needed if u.plan.shard_parameters]
         if needed:
             module_units.append((module, needed))
     return ModelUnits(units, module_units)
-
-
-def _unique(units: Iterable[FlatUnit]) -> list[FlatUnit]:
-    out: dict[int, FlatUnit] = {}
-    for unit in units:
-        out.setdefault(unit.index, unit)
-    return list(out.values())
