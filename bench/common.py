@@ -85,7 +85,9 @@ def _entry(rank: int, init_file: str, worker: Callable[..., Any], spec: dict[str
             world_size=WORLD_SIZE,
             timeout=datetime.timedelta(seconds=300),
         )
-        results.put((rank, "ok", [worker(rank, s) for s in spec["runs"]]))
+        value = [worker(rank, s) for s in spec["runs"]]
+        dist.barrier()  # leave together: a gloo group torn down under a peer can abort the exit
+        results.put((rank, "ok", value))
     except BaseException as e:  # report to the parent instead of hanging it
         import traceback
 

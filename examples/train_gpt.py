@@ -394,8 +394,7 @@ def main() -> None:
         if engine.save_16bit_model(args.export_dir) and rank0:
             print(f"exported consolidated weights to {args.export_dir}", flush=True)
 
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+    zeroshard.shutdown_distributed()  # collective: every rank leaves together
 
 
 if __name__ == "__main__":

@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from zeroshard.dist import shutdown_distributed
+
 
 def _entry(
     fn: Callable[..., Any],
@@ -42,6 +44,7 @@ def _entry(
             timeout=datetime.timedelta(seconds=collective_timeout),
         )
         value = fn(rank, world_size, *args)
+        shutdown_distributed()  # barrier first: a gloo group torn down under a peer can abort the exit
         results.put((rank, "ok", value))
     except BaseException:
         tb = traceback.format_exc()

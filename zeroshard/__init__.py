@@ -5,7 +5,7 @@ from __future__ import annotations
 from zeroshard import zero
 from zeroshard.build import initialize
 from zeroshard.config import ZeroshardConfig, add_config_arguments
-from zeroshard.dist import init_distributed
+from zeroshard.dist import init_distributed, shutdown_distributed
 from zeroshard.engine import ZeroshardEngine
 from zeroshard.hooks import register_external_parameter, set_z3_leaf_modules
 from zeroshard.memory import MemoryBreakdown
@@ -22,5 +22,6 @@ __all__ = [
     "initialize",
     "register_external_parameter",
     "set_z3_leaf_modules",
+    "shutdown_distributed",
     "zero",
 ]

@@ -9,7 +9,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from zeroshard.comm import DEFAULT_TIMEOUT
+from zeroshard.comm import DEFAULT_TIMEOUT, Comm
 
 logger = logging.getLogger(__name__)
 
@@ -64,3 +64,16 @@ def init_distributed(
         "initialized %s process group: rank %d of %d", backend, dist.get_rank(), dist.get_world_size()
     )
     return True
+
+
+def shutdown_distributed() -> None:
+    """Wait for every rank, then destroy the process groups. Collective: call on all ranks.
+
+    Destroying a gloo group while a peer is still tearing down its side of the connection can abort
+    the process at exit ("terminate called without an active exception"); the barrier (bounded by the
+    collective timeout) makes every rank leave together. Does nothing without a process group.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    Comm().barrier(what="shutdown barrier")
+    dist.destroy_process_group()
