@@ -25,14 +25,16 @@ NPROC ?= 2
 DEMO_ARGS ?= --save-dir checkpoints/demo
 DEMO_STAGES := demo-stage0 demo-stage1 demo-stage2 demo-stage3
 DEMO_PRECISIONS := demo-bf16 demo-fp16
+NVME_DIR ?= /tmp/zeroshard-nvme
 PYTEST_ARGS ?=
 
-.PHONY: help install demo $(DEMO_STAGES) $(DEMO_PRECISIONS) test lint format clean distclean
+.PHONY: help install demo demo-nvme $(DEMO_STAGES) $(DEMO_PRECISIONS) test lint format clean distclean
 
 help:
 	@echo "make demo          train examples/train_gpt.py, ZeRO stage 2, $(NPROC) processes (gloo on CPU)"
 	@echo "make demo-stageN   the same with examples/configs/zeroN.json, N in 0..3"
 	@echo "make demo-bf16     stage 2 in bf16 (examples/configs/zero2_bf16.json); demo-fp16 likewise"
+	@echo "make demo-nvme     stage 3, optimizer state and parameters offloaded to files in $(NVME_DIR)"
 	@echo "make test          pytest, with the 15 slowest tests' durations"
 	@echo "make lint          ruff check + ruff format --check + mypy zeroshard"
 	@echo "make format        ruff format + ruff check --fix"
@@ -63,6 +65,12 @@ $(DEMO_STAGES): demo-stage%: $(STAMP)
 $(DEMO_PRECISIONS): demo-%: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m torch.distributed.run --standalone --nproc_per_node $(NPROC) \
 		examples/train_gpt.py --deepspeed_config examples/configs/zero2_$*.json --steps 12 $(DEMO_ARGS)
+
+# ZeRO-Infinity: examples/configs/zero3_nvme.json names $(NVME_DIR) as nvme_path (it must exist).
+demo-nvme: $(STAMP)
+	mkdir -p $(NVME_DIR)
+	OMP_NUM_THREADS=1 $(PY) -m torch.distributed.run --standalone --nproc_per_node $(NPROC) \
+		examples/train_gpt.py --deepspeed_config examples/configs/zero3_nvme.json --steps 20 $(DEMO_ARGS)
 
 # pytest exits 5 when it collects no test; that is reported loudly but is not a failure of the run.
 test: $(STAMP)

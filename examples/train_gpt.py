@@ -218,6 +218,7 @@ def memory_table(engine: Any) -> str | None:
         "grads": mb.gradients,
         "optim": mb.optimizer_state,
         "comm": mb.communication_buffers,
+        "nvme": mb.offloaded,
         "total": mb.total,
         "pred_params": mb.predicted.parameters,
         "pred_grads": mb.predicted.gradients,
@@ -240,7 +241,8 @@ def memory_table(engine: Any) -> str | None:
         pred = "" if predicted is None else f"({predicted / MIB:.2f})"
         return f"{measured / MIB:7.2f} {pred:>8}"
 
-    cols = ["params", "grads", "optimizer state", "comm buffers", "total"]
+    offload = any(r["nvme"] for r in rows)
+    cols = ["params", "grads", "optimizer state", "comm buffers", "total"] + (["on NVMe"] if offload else [])
     lines = [
         f"memory per rank after step 1, MiB measured (ZeRO prediction): stage {stage}, W={w}, N={n:,}",
         f"{precision} Adam model states = {ZERO_FORMULA[kind][stage]}; predicted here "
@@ -254,7 +256,7 @@ def memory_table(engine: Any) -> str | None:
             cell(r["optim"], r["pred_optim"]),
             cell(r["comm"], None),
             cell(r["total"], r["pred_total"]),
-        ]
+        ] + ([cell(r["nvme"], None)] if offload else [])
         lines.append(f"{rank:>4} | " + " | ".join(f"{c:>16}" for c in cells))
     return "\n".join(lines)
 
@@ -315,7 +317,7 @@ def main() -> None:
     if rank0:
         print(
             f"zeroshard stage {engine.zero_optimization_stage()}, world size {engine.world_size}, "
-            f"{sum(p.numel() for p in model.parameters()):,} parameters, "
+            f"{engine.memory_breakdown().num_parameters:,} parameters, "
             f"{tokens_per_step:,} tokens per optimizer step (gradient accumulation {gas})\n"
             f"loss starts near ln({cfg.vocab_size}) = {math.log(cfg.vocab_size):.2f}; "
             f"the data's entropy, the floor, is {dataset.entropy:.2f}",

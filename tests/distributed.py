@@ -44,7 +44,10 @@ def _entry(
             timeout=datetime.timedelta(seconds=collective_timeout),
         )
         value = fn(rank, world_size, *args)
-        shutdown_distributed()  # barrier first: a gloo group torn down under a peer can abort the exit
+        try:
+            shutdown_distributed()  # barrier first: a gloo group torn down under a peer can abort the exit
+        except RuntimeError:
+            pass  # a peer is gone (a test may kill one on purpose); its own report says why
         results.put((rank, "ok", value))
     except BaseException:
         tb = traceback.format_exc()

@@ -19,11 +19,12 @@ from zeroshard.engine import ZeroshardEngine
 from zeroshard.grad_sync import Averaging, GradientReducer
 from zeroshard.hooks import ParameterGatherer
 from zeroshard.lr_schedules import build_scheduler
+from zeroshard.offload.setup import build_offload
 from zeroshard.optim_factory import build_optimizer, check_optimizer_for_stage
 from zeroshard.optimizer import ShardedStep, normalize_param_groups, reseat_optimizer, shard_param_groups
 from zeroshard.precision import loss_scaler_from_config, policy_from_config
 from zeroshard.stages import StagePlan, plan_for
-from zeroshard.units import build_units
+from zeroshard.units import UnitOptions, build_units
 from zeroshard.zero import install_state_dict_hooks, track
 
 logger = logging.getLogger(__name__)
@@ -79,17 +80,26 @@ def initialize(
     policy = policy_from_config(cfg)
     if comm.rank == 0:
         logger.info("zeroshard config:\n%s", cfg.dump())
-        _note_offload(cfg)
 
     groups = normalize_param_groups(model, client_opt.param_groups if client_opt else model_parameters)
     _broadcast_from_rank0(model, comm)
-    built = build_units(model, cfg, plan, policy, comm)
+    offload = build_offload(cfg, plan, policy, model, comm)
+    swapper = offload.optimizer_swapper
+    options = UnitOptions(offload.master_device, offload.on_unit)
+    built = build_units(model, cfg, plan, policy, comm, options)
     units = built.units
     if policy.mixed:
         # Frozen parameters and floating buffers follow the compute dtype; unit parameters already do.
         model.to(dtype=policy.compute)
     sharded_groups, slices = shard_param_groups(groups, units)
     opt = _build_optimizer(optimizer, cfg, sharded_groups, plan)
+    if swapper is not None:
+        if opt is None:
+            raise ValueError(
+                "zero_optimization.offload_optimizer.device 'nvme' needs an optimizer: pass optimizer= to "
+                "initialize() or add an 'optimizer' block"
+            )
+        swapper.bind(slices, opt)
     scheduler = _build_scheduler(lr_scheduler, cfg, opt)
 
     reducer = GradientReducer(
@@ -110,7 +120,7 @@ def initialize(
             max_live_elements=zero.max_live_parameters,
             max_reuse_distance=zero.max_reuse_distance,
         )
-        gatherer.register()
+        gatherer.register(model)
         reducer.on_reduced = gatherer.on_reduced
     track(units, gatherer, comm)
     install_state_dict_hooks(model, units, gatherer)
@@ -122,8 +132,14 @@ def initialize(
         units=units,
         reducer=reducer,
         sharded_step=ShardedStep(
-            units, slices, comm, plan, allgather_bucket_size=cfg.zero_optimization.allgather_bucket_size
+            units,
+            slices,
+            comm,
+            plan,
+            allgather_bucket_size=cfg.zero_optimization.allgather_bucket_size,
+            swapper=swapper,
         ),
+        offload=offload,
         optimizer=opt,
         lr_scheduler=scheduler,
         local_rank=local_rank(),
@@ -132,28 +148,6 @@ def initialize(
     )
     loader = _build_dataloader(training_data, cfg, comm, collate_fn)
     return engine, opt, loader, scheduler
-
-
-def _note_offload(cfg: ZeroshardConfig) -> None:
-    """Say once what an offload block does in this version (offload itself is a separate feature)."""
-    zero = cfg.zero_optimization
-    for key, device in (
-        ("offload_optimizer", zero.offload_optimizer.device),
-        ("offload_param", zero.offload_param.device),
-    ):
-        if device == "cpu" and not torch.cuda.is_available():
-            logger.warning(
-                "zero_optimization.%s.device 'cpu': training runs on the CPU, where this state "
-                "already lives, so offloading to CPU changes nothing",
-                key,
-            )
-        elif device != "none":
-            logger.warning(
-                "zero_optimization.%s.device %r: offload is not implemented in this zeroshard "
-                "version; the state stays in the training device's memory",
-                key,
-                device,
-            )
 
 
 def _hidden_size(model: nn.Module) -> int | None:

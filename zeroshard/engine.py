@@ -28,6 +28,7 @@ from zeroshard.grad_sync import GradientReducer
 from zeroshard.hooks import ParameterGatherer
 from zeroshard.loss_scaler import LossScaleFloorError, LossScaler
 from zeroshard.memory import MemoryBreakdown, optimizer_state_bytes, predict
+from zeroshard.offload.setup import Offload
 from zeroshard.optimizer import ShardedStep
 from zeroshard.precision import cast_floating
 from zeroshard.stages import StagePlan
@@ -58,6 +59,7 @@ class ZeroshardEngine(nn.Module):
         local_rank: int,
         loss_scaler: LossScaler | None = None,
         gatherer: ParameterGatherer | None = None,
+        offload: Offload | None = None,
     ) -> None:
         super().__init__()
         self.module = module
@@ -72,6 +74,7 @@ class ZeroshardEngine(nn.Module):
         self.local_rank = local_rank
         self.loss_scaler = loss_scaler
         self.gatherer = gatherer
+        self.offload = offload or Offload()
         self.telemetry = Telemetry.from_config(config, rank=comm.rank, world_size=comm.world_size)
         self._window_losses: list[float] = []
         self._last_step_end = time.perf_counter()
@@ -192,7 +195,7 @@ class ZeroshardEngine(nn.Module):
                     factor *= coef
             if factor != 1.0:
                 step.scale_grads(factor)
-            self.optimizer.step()
+            step.run(self.optimizer)
         finally:
             step.release()
         if self.loss_scaler is not None:
@@ -259,8 +262,9 @@ class ZeroshardEngine(nn.Module):
         )
 
     def destroy(self) -> None:
-        """Flush and close the monitors and remove zeroshard's hooks from the model."""
+        """Flush and close the monitors, remove zeroshard's hooks and this rank's offload files."""
         self.telemetry.close()
+        self.offload.close()
         self.reducer.remove_hooks()
         if self.gatherer is not None:
             self.gatherer.remove()
@@ -349,6 +353,7 @@ class ZeroshardEngine(nn.Module):
                 grad_bytes=grad_bytes,
                 master_copy=master_copy,
             ),
+            offloaded=self.offload.offloaded_bytes(),
         )
 
     def communication_bytes(self) -> int:
@@ -367,7 +372,8 @@ class ZeroshardEngine(nn.Module):
         """Sharded, atomic checkpoint (see zeroshard.checkpoint.save_checkpoint). Collective."""
         from zeroshard.checkpoint import save_checkpoint
 
-        return save_checkpoint(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+        with self.offload.resident(write_back=False):
+            return save_checkpoint(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
 
     def load_checkpoint(
         self,
@@ -381,15 +387,16 @@ class ZeroshardEngine(nn.Module):
         """Load a checkpoint saved at any world size and stage (see zeroshard.checkpoint). Collective."""
         from zeroshard.checkpoint import load_checkpoint
 
-        return load_checkpoint(
-            self,
-            load_dir,
-            tag,
-            load_module_strict,
-            load_optimizer_states,
-            load_lr_scheduler_states,
-            load_module_only,
-        )
+        with self.offload.resident(write_back=True):
+            return load_checkpoint(
+                self,
+                load_dir,
+                tag,
+                load_module_strict,
+                load_optimizer_states,
+                load_lr_scheduler_states,
+                load_module_only,
+            )
 
     def save_16bit_model(
         self, save_dir: str, save_filename: str = "model.safetensors", exclude_frozen_parameters: bool = False
@@ -397,4 +404,5 @@ class ZeroshardEngine(nn.Module):
         """Consolidated weights in the compute dtype, safetensors (see zeroshard.checkpoint). Collective."""
         from zeroshard.checkpoint import save_16bit_model
 
-        return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
+        with self.offload.resident(write_back=False):
+            return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)

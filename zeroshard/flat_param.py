@@ -12,12 +12,20 @@ For each unit (see ``layout.py`` [Note: flat layout]) this rank keeps:
 
 At stage 0 the shard world is 1: a rank's "shard" is the whole unit, which is how stage 0 steps everything
 without a code path of its own.
+
+[Note: offloaded master]
+With the optimizer offloaded to NVMe (``offload/swapper.py``) a separate master lives in a file between
+steps: ``master`` is then an empty placeholder, and at stage 3 ``param_shard`` (this rank's shard in the
+compute dtype) is what gathers read. The parameters are the truth a stale master is re-derived from:
+``copy_full_to_master`` only marks it (``master_stale``) and the swapper refreshes it when it next reads it.
+With ``master_device`` (CPU offload beside a GPU) the master lives in CPU memory and the step runs there.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -26,6 +34,9 @@ from zeroshard.comm import Comm, Pending
 from zeroshard.layout import FlatLayout, Piece
 from zeroshard.precision import DtypePolicy
 from zeroshard.stages import StagePlan
+
+if TYPE_CHECKING:
+    from zeroshard.offload.param_swap import ParamShardStore
 
 
 @dataclass(frozen=True)
@@ -59,6 +70,7 @@ class FlatUnit:
         world_size: int,
         plan: StagePlan,
         policy: DtypePolicy,
+        master_device: torch.device | None = None,
     ) -> None:
         if not params:
             raise ValueError("a unit needs at least one parameter")
@@ -69,12 +81,15 @@ class FlatUnit:
         self.rank = rank
         self.policy = policy
         self.layout = FlatLayout.for_shapes([p.numel() for p in params], world_size)
-        device = params[0].device
+        device = self.device = params[0].device  # where the parameters compute
         lo, hi = self.layout.shard_range(rank)
-        separate_master = not (policy.master_is_compute and not plan.shard_parameters)
+        master_device = master_device or device
+        separate_master = master_device != device or not (
+            policy.master_is_compute and not plan.shard_parameters
+        )
         # A separate master is taken from the parameters as given (fp32 when the model was built in fp32)
         # before they are cast to the compute dtype, so it starts exact.
-        master = self._gather_own_pieces(policy.master) if separate_master else None
+        master = self._gather_own_pieces(policy.master, master_device) if separate_master else None
         self.full = torch.zeros(self.layout.padded, dtype=policy.compute, device=device)
         with torch.no_grad():
             for param, offset in zip(self.params, self.layout.offsets, strict=True):
@@ -83,6 +98,11 @@ class FlatUnit:
                 param.data = view
         self.master = master if master is not None else self.full[lo:hi]
         self.shapes = [p.shape for p in self.params]
+        self.separate_master = separate_master
+        self.master_offloaded = False
+        self.master_stale = False
+        self._param_shard: torch.Tensor | None = None
+        self.param_home: ParamShardStore | None = None  # offload_param nvme: where param_shard lives
         self._gathering: Pending | None = None
         if plan.shard_parameters:
             self.release()
@@ -95,9 +115,10 @@ class FlatUnit:
         # Which parameters received a gradient since the last zero_grad (on this rank).
         self.has_grad = torch.zeros(len(self.params), dtype=torch.bool)
 
-    def _gather_own_pieces(self, dtype: torch.dtype) -> torch.Tensor:
+    def _gather_own_pieces(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """This rank's shard of the parameters' current values, as a new tensor of ``dtype``."""
-        out = torch.zeros(self.layout.shard_size, dtype=dtype, device=self.params[0].device)
+        pin = device.type == "cpu" and self.params[0].device.type == "cuda"
+        out = torch.zeros(self.layout.shard_size, dtype=dtype, device=device, pin_memory=pin)
         for piece in self.layout.pieces(self.rank):
             flat = self.params[piece.index].detach().reshape(-1)
             out[piece.shard_start : piece.shard_start + piece.numel].copy_(
@@ -114,12 +135,20 @@ class FlatUnit:
         return offset, offset + self.layout.numels[i]
 
     def optimizer_slices(self) -> list[OptimizerSlice]:
-        """This rank's pieces of each parameter, as 1-D views of ``master`` and ``grad_shard``."""
+        """This rank's pieces of each parameter, as 1-D views of ``master`` and ``grad_shard``.
+
+        With the master offloaded each slice's master is a placeholder of its own, which the swapper points
+        at real storage (``.data``) while the slice is resident.
+        """
         return [
             OptimizerSlice(
                 unit=self,
                 piece=piece,
-                master=self.master[piece.shard_start : piece.shard_start + piece.numel],
+                master=(
+                    torch.empty(0, dtype=self.master.dtype)
+                    if self.master_offloaded
+                    else self.master[piece.shard_start : piece.shard_start + piece.numel]
+                ),
                 grad=self.grad_shard[piece.shard_start : piece.shard_start + piece.numel],
             )
             for piece in self.layout.pieces(self.rank)
@@ -137,10 +166,8 @@ class FlatUnit:
         """
         if self.gathered or self._gathering is not None:
             return
-        self.full = torch.empty(self.layout.padded, dtype=self.policy.compute, device=self.master.device)
-        shard = (
-            self.master if self.master.dtype == self.policy.compute else self.master.to(self.policy.compute)
-        )
+        self.full = torch.empty(self.layout.padded, dtype=self.policy.compute, device=self.device)
+        shard = self.param_shard.to(device=self.device, dtype=self.policy.compute)
         self._gathering = comm.all_gather(
             self.full, shard, what=f"parameter all_gather of unit {self.index} ({self.names[0]}, ...)"
         )
@@ -151,14 +178,20 @@ class FlatUnit:
             return
         pending, self._gathering = self._gathering, None
         pending.wait()
+        if self.param_home is not None:
+            self.param_home.drop(self)
         for param, offset, shape in zip(self.params, self.layout.offsets, self.shapes, strict=True):
             param.data = self.full[offset : offset + shape.numel()].view(shape)
 
     def release(self) -> None:
-        """Free the full parameters; the parameters become empty placeholders until the next gather."""
+        """Free the full parameters; the parameters become empty placeholders until the next gather.
+
+        The memory goes once nothing else refers to the old buffer: tensors autograd saves from it in
+        forward are kept as references to the unit instead (``hooks.ParameterGatherer.saved_views``).
+        """
         if self._gathering is not None:
             self.finish_gather()
-        empty = torch.empty(0, dtype=self.policy.compute, device=self.master.device)
+        empty = torch.empty(0, dtype=self.policy.compute, device=self.device)
         for param in self.params:
             param.data = empty
         self.full = empty
@@ -167,10 +200,54 @@ class FlatUnit:
         lo, hi = self.layout.shard_range(self.rank)
         return self.full[lo:hi]
 
+    @property
+    def param_shard(self) -> torch.Tensor:
+        """This rank's shard of the parameters as stored between uses: what a stage-3 gather reads."""
+        if self._param_shard is not None:
+            return self._param_shard
+        if self.param_home is not None:
+            return self.param_home.load(self)
+        return self.master if self.plan.shard_parameters else self.own_full_shard()
+
+    def drop_param_shard(self) -> None:
+        """Forget the in-memory ``param_shard`` (its home, an NVMe file, keeps it)."""
+        if self.param_home is None:
+            raise RuntimeError(f"rank {self.rank}: unit {self.index}'s parameter shard has no other home")
+        self._param_shard = None
+
+    def prefetch_shard(self) -> None:
+        """Start reading ``param_shard`` from its NVMe home ahead of a gather (no-op in memory)."""
+        if self.param_home is not None and not self.gathered and self._gathering is None:
+            self.param_home.prefetch(self)
+
+    def offload_master(self) -> torch.Tensor:
+        """Hand the master to the offload store: return it and keep an empty placeholder in its place.
+
+        At stage 3 a compute-dtype copy of the shard stays (``param_shard``) for gathers to read.
+        """
+        if not self.separate_master or self.master_offloaded:
+            raise RuntimeError(f"rank {self.rank}: unit {self.index} has no separate master to offload")
+        master = self.master
+        if self.plan.shard_parameters:
+            same = master.dtype == self.policy.compute and master.device == self.device
+            self._param_shard = master if same else master.to(self.device, self.policy.compute)
+        self.master = torch.empty(0, dtype=master.dtype, device=master.device)
+        self.master_offloaded = True
+        return master
+
+    def take_stepped_master(self, start: int, master: torch.Tensor) -> None:
+        """Write stepped master values (shard elements ``start:start + numel``) into the parameters."""
+        if self.param_home is not None:
+            self.param_home.store_range(self, start, master)
+        elif self.plan.shard_parameters:
+            self.param_shard[start : start + master.numel()].copy_(master)
+        else:
+            self.own_full_shard()[start : start + master.numel()].copy_(master)
+
     def copy_master_to_full(self) -> None:
         """Write the stepped master shard into this rank's slice of ``full`` (a cast, if dtypes differ)."""
-        if self.plan.shard_parameters:
-            return  # the next gather reads the master
+        if self.plan.shard_parameters or not self.master.numel():
+            return  # the next gather reads the master, or it is offloaded (the swapper wrote each sub-group)
         shard = self.own_full_shard()
         if shard.data_ptr() != self.master.data_ptr():
             shard.copy_(self.master)
@@ -178,7 +255,15 @@ class FlatUnit:
     def copy_full_to_master(self) -> None:
         """Take this rank's slice of ``full`` (modified in place, e.g. by load_state_dict) into the master."""
         shard = self.own_full_shard()
-        if shard.numel() and shard.data_ptr() != self.master.data_ptr():
+        if not shard.numel():
+            return
+        if self.master_offloaded:
+            if self.param_home is not None:
+                self.param_home.store_range(self, 0, shard)
+            elif self._param_shard is not None:
+                self._param_shard.copy_(shard)
+            self.master_stale = True  # see [Note: offloaded master]
+        elif shard.data_ptr() != self.master.data_ptr():
             self.master.copy_(shard)
 
     def zero_grad(self) -> None:
@@ -192,12 +277,10 @@ class FlatUnit:
         """Bytes of the tensors this unit owns, by kind (shared storage counted once)."""
         params = self.full.numel() * self.full.element_size()
         grads = self.grad_full if self.grad_full is not None else self.grad_shard
-        master = (
-            0
-            if self.master.data_ptr() == self.own_full_shard().data_ptr()
-            else (self.master.numel() * self.master.element_size())
-        )
-        if self.plan.shard_parameters and self.policy.master_is_compute:
+        master = 0 if not self.separate_master else (self.master.numel() * self.master.element_size())
+        if self._param_shard is not None:
+            params += self._param_shard.numel() * self._param_shard.element_size()
+        elif self.plan.shard_parameters and self.policy.master_is_compute:
             # fp32 stage 3: the master shard is the parameter shard itself.
             params, master = params + master, 0
         return {"parameters": params, "gradients": grads.numel() * grads.element_size(), "master": master}

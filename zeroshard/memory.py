@@ -42,7 +42,9 @@ class MemoryBreakdown:
     """This rank's model-state bytes, measured from the tensors it holds, beside the formula's prediction.
 
     ``optimizer_state`` includes the fp32 master copy when one is kept (as the paper's 12 bytes do).
-    ``communication_buffers`` is the peak of the transient gradient buckets seen so far.
+    ``communication_buffers`` is the peak of the transient gradient buckets seen so far. ``offloaded`` is
+    the model state this rank keeps in NVMe files instead (not part of ``total``; the prediction is the
+    formula's in-memory figure, which the measured ``total`` plus ``offloaded`` then follows).
     """
 
     stage: int
@@ -53,6 +55,7 @@ class MemoryBreakdown:
     optimizer_state: int
     communication_buffers: int
     predicted: Predicted
+    offloaded: int = 0
 
     @property
     def total(self) -> int:

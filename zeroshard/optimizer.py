@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -22,6 +22,9 @@ from torch import nn
 from zeroshard.comm import Comm, Pending
 from zeroshard.flat_param import FlatUnit, OptimizerSlice
 from zeroshard.stages import StagePlan
+
+if TYPE_CHECKING:
+    from zeroshard.offload.swapper import OptimizerStateSwapper
 
 
 def normalize_param_groups(model: nn.Module, params: Iterable[Any] | None) -> list[dict[str, Any]]:
@@ -101,6 +104,8 @@ class ShardedStep:
 
     The optimizer steps fp32 masters with fp32 gradients: where a unit's gradient shard is kept in a
     16-bit dtype, :meth:`prepare` makes a transient fp32 copy for the step (dropped by :meth:`release`).
+    With the optimizer offloaded that copy (and the unscale/clip factor) is made per sub-group instead, so
+    no fp32 copy of every gradient ever exists; the values are the same.
 
     Collective: :meth:`grad_norm` (sharded stages), :meth:`any_nonfinite` and :meth:`gather_params` must be
     called on all ranks.
@@ -113,33 +118,55 @@ class ShardedStep:
         comm: Comm,
         plan: StagePlan,
         allgather_bucket_size: int = 500_000_000,
+        swapper: OptimizerStateSwapper | None = None,
     ) -> None:
         self.allgather_bucket_size = allgather_bucket_size
+        self.swapper = swapper
         self.units = list(units)
         self.slices = list(slices)
         self.comm = comm
         self.plan = plan
         self._grads: dict[int, torch.Tensor] = {}
+        self._slice_grads: dict[int, torch.Tensor | None] = {}
+        self._factor = 1.0  # pending gradient scale (offloaded: applied per sub-group)
 
     def prepare(self) -> None:
-        """Make each unit's gradient shard available in the master dtype."""
+        """Make each unit's gradient shard available in the master's dtype and on its device."""
+        self._factor = 1.0
+        if self.swapper is not None:
+            self._grads = {u.index: u.grad_shard for u in self.units}
+            return
         self._grads = {
-            u.index: u.grad_shard if u.grad_shard.dtype == u.master.dtype else u.grad_shard.to(u.master.dtype)
-            for u in self.units
+            u.index: u.grad_shard.to(device=u.master.device, dtype=u.master.dtype) for u in self.units
         }
 
     def release(self) -> None:
         for sl in self.slices:
             sl.master.grad = None
         self._grads = {}
+        self._slice_grads = {}
 
     def attach_grads(self, has_grad: Sequence[torch.Tensor]) -> None:
-        """Give each slice its gradient, or None where no rank produced one for its parameter."""
+        """Give each slice its gradient, or None where no rank produced one for its parameter.
+
+        With the optimizer state offloaded the gradients are only recorded here: the swapper attaches
+        each sub-group's while it is resident.
+        """
         by_unit = {u.index: flags for u, flags in zip(self.units, has_grad, strict=True)}
         for sl in self.slices:
             used = bool(by_unit[sl.unit.index][sl.piece.index])
             start = sl.piece.shard_start
-            sl.master.grad = self._grads[sl.unit.index][start : start + sl.piece.numel] if used else None
+            grad = self._grads[sl.unit.index][start : start + sl.piece.numel] if used else None
+            self._slice_grads[id(sl.master)] = grad
+            if self.swapper is None:
+                sl.master.grad = grad
+
+    def run(self, optimizer: torch.optim.Optimizer) -> None:
+        """The optimizer step over the attached gradients: one call, or one per offloaded sub-group."""
+        if self.swapper is None:
+            optimizer.step()
+        else:
+            self.swapper.step(self._slice_grads, self._factor)
 
     def any_nonfinite(self) -> bool:
         """Whether any rank's gradients hold inf or NaN (one small all-reduce)."""
@@ -158,13 +185,16 @@ class ShardedStep:
     def grad_norm(self) -> float:
         """Global L2 norm of the reduced gradients (one all-reduce when gradients are sharded)."""
         # Per-unit fp32 norms, as torch.nn.utils.clip_grad_norm_ computes them (no fp64 copy of the grads).
-        norms = [torch.linalg.vector_norm(g) for g in self._grads.values() if g.numel()]
+        norms = [torch.linalg.vector_norm(g, dtype=torch.float32) for g in self._grads.values() if g.numel()]
         local = torch.stack(norms).double().pow(2).sum() if norms else torch.zeros((), dtype=torch.float64)
         if self.plan.shard_optimizer:
             local = self.comm.sum_scalar(local, what="gradient-norm all_reduce")
         return math.sqrt(float(local))
 
     def scale_grads(self, factor: float) -> None:
+        if self.swapper is not None:
+            self._factor *= factor
+            return
         for grad in self._grads.values():
             grad.mul_(factor)
 

@@ -13,7 +13,8 @@ module that owns it directly gathers that unit before computing.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -27,6 +28,15 @@ from zeroshard.stages import STAGES, StagePlan
 from zeroshard.zero import full_numel, materialize
 
 Named = list[tuple[str, nn.Parameter]]
+
+
+@dataclass(frozen=True)
+class UnitOptions:
+    """How each unit is made beyond the stage and dtypes: where its master lives, and a callback run as soon
+    as it exists (the NVMe swapper takes its master there, one unit at a time)."""
+
+    master_device: torch.device | None = None
+    on_unit: Callable[[FlatUnit], None] | None = None
 
 
 @dataclass
@@ -47,22 +57,35 @@ def check_dtypes(model: nn.Module, policy: DtypePolicy) -> None:
             )
 
 
+@dataclass(frozen=True)
+class _Ctx:
+    policy: DtypePolicy
+    comm: Comm
+    options: UnitOptions = field(default_factory=UnitOptions)
+
+
 def build_units(
-    model: nn.Module, cfg: ZeroshardConfig, plan: StagePlan, policy: DtypePolicy, comm: Comm
+    model: nn.Module,
+    cfg: ZeroshardConfig,
+    plan: StagePlan,
+    policy: DtypePolicy,
+    comm: Comm,
+    options: UnitOptions | None = None,
 ) -> ModelUnits:
     check_dtypes(model, policy)
+    ctx = _Ctx(policy, comm, options or UnitOptions())
     if not plan.shard_parameters:
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         units: list[FlatUnit] = []
-        _bucket_units(units, named, cfg.zero_optimization.reduce_bucket_size, plan, policy, comm)
+        _bucket_units(units, named, cfg.zero_optimization.reduce_bucket_size, plan, ctx)
         return ModelUnits(units, [])
-    return _stage3_units(model, cfg, plan, policy, comm)
+    return _stage3_units(model, cfg, plan, ctx)
 
 
-def _make(units: list[FlatUnit], named: Named, plan: StagePlan, policy: DtypePolicy, comm: Comm) -> FlatUnit:
-    world = comm.world_size if plan.shard_optimizer else 1
-    rank = comm.rank if plan.shard_optimizer else 0
-    materialize([p for _, p in named], comm)  # zero.Init: full values for one unit at a time
+def _make(units: list[FlatUnit], named: Named, plan: StagePlan, ctx: _Ctx) -> FlatUnit:
+    world = ctx.comm.world_size if plan.shard_optimizer else 1
+    rank = ctx.comm.rank if plan.shard_optimizer else 0
+    materialize([p for _, p in named], ctx.comm)  # zero.Init: full values for one unit at a time
     unit = FlatUnit(
         len(units),
         [p for _, p in named],
@@ -70,26 +93,27 @@ def _make(units: list[FlatUnit], named: Named, plan: StagePlan, policy: DtypePol
         rank=rank,
         world_size=world,
         plan=plan,
-        policy=policy,
+        policy=ctx.policy,
+        master_device=ctx.options.master_device,
     )
     units.append(unit)
+    if ctx.options.on_unit is not None:
+        ctx.options.on_unit(unit)
     return unit
 
 
-def _bucket_units(
-    units: list[FlatUnit], named: Named, limit: int, plan: StagePlan, policy: DtypePolicy, comm: Comm
-) -> None:
+def _bucket_units(units: list[FlatUnit], named: Named, limit: int, plan: StagePlan, ctx: _Ctx) -> None:
     """Consecutive parameters in units of at most ``limit`` elements (one device each)."""
     current: Named = []
     size = 0
     for name, p in named:
         if current and (size + full_numel(p) > max(1, limit) or p.device != current[0][1].device):
-            _make(units, current, plan, policy, comm)
+            _make(units, current, plan, ctx)
             current, size = [], 0
         current.append((name, p))
         size += full_numel(p)
     if current:
-        _make(units, current, plan, policy, comm)
+        _make(units, current, plan, ctx)
 
 
 def _is_leaf(name: str, module: nn.Module, model: nn.Module, cfg: ZeroshardConfig) -> bool:
@@ -105,9 +129,7 @@ def _is_leaf(name: str, module: nn.Module, model: nn.Module, cfg: ZeroshardConfi
     )
 
 
-def _stage3_units(
-    model: nn.Module, cfg: ZeroshardConfig, plan: StagePlan, policy: DtypePolicy, comm: Comm
-) -> ModelUnits:
+def _stage3_units(model: nn.Module, cfg: ZeroshardConfig, plan: StagePlan, ctx: _Ctx) -> ModelUnits:
     zero = cfg.zero_optimization
     claimed: set[int] = set()
     owners: list[tuple[nn.Module, Named]] = []
@@ -136,7 +158,7 @@ def _stage3_units(
     def flush_persistent() -> None:
         if persistent:
             first = len(units)
-            _bucket_units(units, persistent, zero.reduce_bucket_size, persistent_plan, policy, comm)
+            _bucket_units(units, persistent, zero.reduce_bucket_size, persistent_plan, ctx)
             for unit in units[first:]:
                 unit_of.update({id(p): unit for p in unit.params})
             persistent.clear()
@@ -146,7 +168,7 @@ def _stage3_units(
             persistent.extend(own)
             continue
         flush_persistent()
-        unit = _make(units, own, plan, policy, comm)
+        unit = _make(units, own, plan, ctx)
         unit_of.update({id(p): unit for p in unit.params})
     flush_persistent()
 

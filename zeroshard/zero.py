@@ -7,6 +7,8 @@ The names follow ``deepspeed.zero`` so ported code keeps working: ``zeroshard.ze
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 import weakref
 from collections.abc import Iterable, Sequence
 from types import TracebackType
@@ -19,6 +21,7 @@ from zeroshard.comm import Comm
 from zeroshard.flat_param import FlatUnit
 from zeroshard.hooks import ParameterGatherer, register_external_parameter
 from zeroshard.layout import FlatLayout
+from zeroshard.offload.malloc import keep_large_blocks_mapped, release_free_memory
 
 __all__ = ["GatheredParameters", "Init", "register_external_parameter"]
 
@@ -161,15 +164,21 @@ class Init:
         config: Any = None,
         enabled: bool = True,
         dtype: torch.dtype | None = None,
+        remote_device: str | None = None,
         **_: Any,
     ) -> None:
         self.enabled = enabled
         self.dtype = dtype
         self.comm = Comm(data_parallel_group)
         self._handle: Any = None
+        # Building a model that will train with NVMe offload: keep the allocator from hoarding the full
+        # submodules built here (see offload/malloc.py).
+        self._offloading = remote_device == "nvme" or _offloads_to_nvme(config_dict_or_path or config)
 
     def __enter__(self) -> Init:
         if self.enabled:
+            if self._offloading:
+                keep_large_blocks_mapped()
             register = nn.modules.module.register_module_module_registration_hook
             self._handle = register(self._on_child)
         return self
@@ -178,6 +187,7 @@ class Init:
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
+            release_free_memory()
 
     def _on_child(self, parent: nn.Module, name: str, child: nn.Module | None) -> None:
         if child is None:
@@ -199,6 +209,16 @@ class Init:
             shard[: end - lo].copy_(flat[lo:end])
         _PARTITIONED[id(param)] = (weakref.ref(param), param.shape, shard, world)
         param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+
+
+def _offloads_to_nvme(config: Any) -> bool:
+    """Whether a ds_config (dict or JSON path) puts parameters or optimizer state on NVMe."""
+    if isinstance(config, (str, os.PathLike)) and os.path.isfile(config):
+        with open(config) as f:
+            config = json.load(f)
+    zero = config.get("zero_optimization", {}) if isinstance(config, dict) else {}
+    blocks = (zero.get("offload_param"), zero.get("offload_optimizer")) if isinstance(zero, dict) else ()
+    return any(isinstance(b, dict) and b.get("device") == "nvme" for b in blocks)
 
 
 def full_numel(param: nn.Parameter) -> int:
