@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from zeroshard.config.schema_blocks import AioConfig
-from zeroshard.offload import nvme
+from zeroshard.offload import swapfile
 from zeroshard.offload.nvme import ALIGN, AioSettings, NvmeStore
 
 KEY = "zero_optimization.offload_optimizer.nvme_path"
@@ -287,7 +287,7 @@ def test_stale_file_of_a_crashed_run_is_replaced(tmp_path: Path, caplog: pytest.
     path = tmp_path / "zeroshard-opt-rank0.swp"
     path.write_bytes(b"old" * 10_000)
     Path(f"{path}.lock").write_text("999999 deadhost\n")  # nobody holds its flock
-    with caplog.at_level(logging.WARNING, logger=nvme.__name__):
+    with caplog.at_level(logging.WARNING, logger=swapfile.__name__):
         with NvmeStore(str(tmp_path), rank=0, purpose="opt", capacity_bytes=ALIGN) as store:
             assert os.path.getsize(store.path) == ALIGN
             assert Path(f"{path}.lock").read_text().split()[0] == str(os.getpid())

@@ -233,9 +233,9 @@ def test_start_up_errors_name_the_key_and_the_numbers(tmp_path: Any, monkeypatch
     del no_optimizer["optimizer"]
     with pytest.raises(ValueError, match=r"offload_optimizer\.device 'nvme' needs an optimizer"):
         zeroshard.initialize(model=make_model(), config=no_optimizer)
-    import zeroshard.offload.nvme as nvme
+    import zeroshard.offload.swapfile as swapfile
 
-    monkeypatch.setattr(nvme, "_free_bytes", lambda directory: 1000)
+    monkeypatch.setattr(swapfile, "_free_bytes", lambda directory: 1000)
     with pytest.raises(ValueError, match=r"offload_optimizer\.nvme_path.*needs .*GB.*1000 bytes\) free"):
         zeroshard.initialize(model=make_model(), config=_nvme_config(str(tmp_path)))
     assert not [f for f in os.listdir(tmp_path) if f.endswith(".swp")]
