@@ -4,6 +4,7 @@ state and the parameters on NVMe (issue 6, bench 4).
     .venv/bin/python bench/largest.py            # two sizes per mode (~100M and ~200M parameters), ~5 min
     .venv/bin/python bench/largest.py --quick    # tiny sizes: a smoke test
     ZEROSHARD_BENCH_NVME=/mnt/nvme .venv/bin/python bench/largest.py
+    .venv/bin/python bench/largest.py --verify-layers 40   # then: NVMe at ~520M, against the fit
 
 Method: each mode trains two GPT sizes for two steps (bf16, AdamW, two gloo ranks, the model built under
 ``zero.Init`` so no rank ever holds all of it) and records each rank's peak RSS (the whole process) and the
@@ -87,7 +88,7 @@ def worker(rank: int, spec: dict[str, Any]) -> dict[str, Any]:
         loss = engine(tokens[i, :, :-1], tokens[i, :, 1:])
         engine.backward(loss)
         engine.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     mb = engine.memory_breakdown()
     engine.destroy()
     return {
@@ -105,13 +106,45 @@ def fit(points: list[tuple[int, float]]) -> tuple[float, float]:
     return y0 - per * x0, per
 
 
+def verify(n_layer: int, base: dict[str, Any], path: Path) -> None:
+    """Train the NVMe mode at ``n_layer`` layers; record its peak RSS beside the fit's prediction."""
+    results = json.loads(path.read_text())
+    fit_nvme = results["summary"]["nvme"]
+    with tempfile.TemporaryDirectory(dir=os.environ.get("ZEROSHARD_BENCH_NVME")) as nvme:
+        spec = {**base, "n_layer": n_layer, "mode": "nvme", "nvme": nvme}
+        pair = run_pair(worker, {"name": f"verify {n_layer} layers", "runs": [spec]}, timeout=3600)
+    ranks = [runs_of_rank[0] for runs_of_rank in pair]
+    n = ranks[0]["parameters"]
+    peak = max(r["peak_rss"] for r in ranks)
+    predicted = fit_nvme["rss_fixed_bytes"] + fit_nvme["rss_bytes_per_param_per_rank"] * n
+    row = {"n_layer": n_layer, "parameters": n, "peak_rss_per_rank": peak, "predicted_peak_rss": predicted}
+    results["verify"] = row
+    path.write_text(json.dumps(results, indent=2))
+    print(
+        f"nvme {n / 1e6:.0f}M parameters: peak RSS {peak / GIB:.2f} GiB per rank, the fit predicted "
+        f"{predicted / GIB:.2f} GiB; losses {ranks[0]['losses']}"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json", default=None)
+    parser.add_argument(
+        "--verify-layers",
+        type=int,
+        default=None,
+        help="only train the NVMe mode at this many layers and compare its peak RSS with the prediction "
+        "of the fit in the JSON of a previous full run",
+    )
     args = parser.parse_args()
+    if args.verify_layers is not None:
+        verify(
+            args.verify_layers, QUICK if args.quick else FULL, Path(args.json or "bench/results/largest.json")
+        )
+        return
     base = QUICK if args.quick else FULL
     out_path = Path(args.json or f"bench/results/largest{'_quick' if args.quick else ''}.json")
     ram = psutil.virtual_memory().total

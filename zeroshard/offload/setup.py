@@ -110,42 +110,28 @@ def build_offload(
     shard = -(-trainable // comm.world_size)
     master_bytes = 4 if policy.mixed or plan.shard_parameters else 0
     need = shard * (master_bytes + 4 * ASSUMED_STATES_PER_ELEMENT)
-    store = NvmeStore(
-        block.nvme_path,
-        rank=comm.rank,
-        purpose="optimizer",
-        capacity_bytes=need,
-        aio=AioSettings.from_config(cfg.aio),
-        config_key="zero_optimization.offload_optimizer.nvme_path",
-    )
+    store = _store(cfg, comm, "offload_optimizer", block.nvme_path, "optimizer", need)
     out.optimizer_swapper = OptimizerStateSwapper(store, zero.sub_group_size)
-    if comm.rank == 0:
-        logger.info(
-            "offloading optimizer state to %s: about %.2f GB per rank, sub-groups of %d elements",
-            block.nvme_path,
-            need / 1e9,
-            zero.sub_group_size,
-        )
     params = zero.offload_param
     if plan.shard_parameters and params.device == "nvme" and params.nvme_path is not None:
-        param_bytes = shard * policy.compute.itemsize
-        out.param_store = ParamShardStore(
-            NvmeStore(
-                params.nvme_path,
-                rank=comm.rank,
-                purpose="param",
-                capacity_bytes=param_bytes,
-                aio=AioSettings.from_config(cfg.aio),
-                config_key="zero_optimization.offload_param.nvme_path",
-            )
-        )
-        if comm.rank == 0:
-            logger.info(
-                "offloading stage-3 parameter shards to %s: about %.2f GB per rank",
-                params.nvme_path,
-                param_bytes / 1e9,
-            )
+        need = shard * policy.compute.itemsize
+        out.param_store = ParamShardStore(_store(cfg, comm, "offload_param", params.nvme_path, "param", need))
     return out
+
+
+def _store(cfg: ZeroshardConfig, comm: Comm, block: str, path: str, purpose: str, need: int) -> NvmeStore:
+    """This rank's file for ``purpose`` under ``path`` (checked and preallocated to ``need`` bytes)."""
+    store = NvmeStore(
+        path,
+        rank=comm.rank,
+        purpose=purpose,
+        capacity_bytes=need,
+        aio=AioSettings.from_config(cfg.aio),
+        config_key=f"zero_optimization.{block}.nvme_path",
+    )
+    if comm.rank == 0:
+        logger.info("%s: %s state on %s, about %.2f GB per rank", block, purpose, path, need / 1e9)
+    return store
 
 
 def _notes(cfg: ZeroshardConfig, plan: StagePlan, compute_device: torch.device) -> None:
