@@ -187,7 +187,7 @@ class FlatUnit:
         """Free the full parameters; the parameters become empty placeholders until the next gather.
 
         The memory goes once nothing else refers to the old buffer: tensors autograd saves from it in
-        forward are kept as references to the unit instead (``hooks.ParameterGatherer.saved_views``).
+        forward are kept as references to the unit instead (``saved_views`` [Note: saved views]).
         """
         if self._gathering is not None:
             self.finish_gather()

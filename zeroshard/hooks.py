@@ -32,6 +32,7 @@ from torch.utils.hooks import RemovableHandle
 
 from zeroshard.comm import Comm
 from zeroshard.flat_param import FlatUnit
+from zeroshard.saved_views import SavedViews
 
 _LEAF_CLASSES: weakref.WeakKeyDictionary[nn.Module, tuple[type, ...]] = weakref.WeakKeyDictionary()
 
@@ -65,16 +66,6 @@ def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> N
 
 def external_parameters(module: nn.Module) -> list[nn.Parameter]:
     return list(_EXTERNAL.get(module, ()))
-
-
-@dataclasses.dataclass(frozen=True)
-class _SavedView:
-    """A tensor autograd saved that is a view of a unit's buffer, kept as a recipe (see saved_views)."""
-
-    unit: FlatUnit
-    size: torch.Size
-    stride: tuple[int, ...]
-    offset: int
 
 
 def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
@@ -127,32 +118,20 @@ class ParameterGatherer:
         # gathered again in the same backward: the decision to gather stays the same on every rank.
         self._done: set[int] = set()
         self.peak_gathered_bytes = 0
-        # Storage address of each unit's last gathered buffer, both ways, for saved_views (an entry may be
-        # stale once the unit is released: _pack checks).
-        self._unit_at: dict[int, FlatUnit] = {}
-        self._views: list[contextlib.AbstractContextManager[None]] = []
-        self._address_of: dict[int, int] = {}
+        self.saved_views = SavedViews(self.gather, comm.rank)  # see [Note: saved views]
 
     # -- hooks ---------------------------------------------------------------------------------------
     def register(self, root: nn.Module) -> None:
-        """Install the module hooks, and on ``root`` the saved-tensor hooks of :meth:`saved_views` for the
+        """Install the module hooks, and on ``root`` the saved-tensor hooks of [Note: saved views] for the
         duration of every forward (also when the model is called directly, not through the engine)."""
         for key, module in self._modules.items():
             self._handles.append(module.register_forward_pre_hook(self._make_pre(key)))
             self._handles.append(module.register_forward_hook(self._make_post(key)))
-        self._handles.append(root.register_forward_pre_hook(lambda module, args: self._enter_views()))
+        views = self.saved_views
+        self._handles.append(root.register_forward_pre_hook(lambda module, args: views.enter()))
         self._handles.append(
-            root.register_forward_hook(lambda module, args, out: self._exit_views(), always_call=True)
+            root.register_forward_hook(lambda module, args, out: views.exit(), always_call=True)
         )
-
-    def _enter_views(self) -> None:
-        views = self.saved_views()
-        views.__enter__()
-        self._views.append(views)
-
-    def _exit_views(self) -> None:
-        if self._views:
-            self._views.pop().__exit__(None, None, None)
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -214,7 +193,7 @@ class ParameterGatherer:
         for unit in units:
             unit.finish_gather()
         for unit in units:
-            self._note_storage(unit)
+            self.saved_views.note(unit)
         live = sum(u.full.numel() * u.full.element_size() for u in self._all_units() if u.gathered)
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, live)
 
@@ -297,47 +276,6 @@ class ParameterGatherer:
                 return True
             distance += upcoming.layout.padded
         return False
-
-    @contextlib.contextmanager
-    def saved_views(self) -> Iterator[None]:
-        """Inside the block (the forward), autograd keeps a tensor it saves that is a view of a gathered
-        unit's buffer (a Linear saves ``weight.t()``) as a reference to the unit, and rebuilds the view from
-        the re-gathered buffer in backward. Without this the saved views would keep every unit's full
-        parameters alive from its forward to its backward, undoing the release."""
-        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-            yield
-
-    def _note_storage(self, unit: FlatUnit) -> None:
-        if not unit.gathered:
-            return
-        address = unit.full.untyped_storage().data_ptr()
-        old = self._address_of.get(unit.index)
-        if old is not None and self._unit_at.get(old) is unit:
-            del self._unit_at[old]
-        self._address_of[unit.index] = address
-        self._unit_at[address] = unit
-
-    def _pack(self, tensor: torch.Tensor) -> Any:
-        address = tensor.untyped_storage().data_ptr()
-        unit = self._unit_at.get(address)
-        # Only the unit's current buffer: a released buffer's address may have been reused since.
-        if unit is not None and unit.gathered and unit.full.untyped_storage().data_ptr() == address:
-            return _SavedView(unit, tensor.size(), tensor.stride(), int(tensor.storage_offset()))
-        return tensor
-
-    def _unpack(self, packed: Any) -> torch.Tensor:
-        if not isinstance(packed, _SavedView):
-            return packed
-        unit = packed.unit
-        if not unit.gathered:
-            self.gather([unit])  # backward unpacks in the same order on every rank
-        if not unit.gathered:
-            names = ", ".join(unit.names)
-            raise RuntimeError(
-                f"rank {self.comm.rank}: backward needs unit {unit.index} ({names}) after its gradients were "
-                "already reduced and its parameters released"
-            )
-        return unit.full.as_strided(packed.size, packed.stride, packed.offset)
 
     @contextlib.contextmanager
     def hold_all(self) -> Iterator[None]:

@@ -1,0 +1,95 @@
+"""Stage 3: tensors autograd saves from gathered parameters are kept as references, not as memory.
+
+[Note: saved views]
+A Linear saves ``weight.t()`` for its backward: a view of the unit's gathered buffer. Were autograd to keep
+that tensor, releasing the unit after its forward (``param.data = empty``) would free nothing, and every
+layer's full parameters would stay alive from its forward to its backward, whatever the prefetch and reuse
+knobs say. While :class:`SavedViews` is active (every forward of a stage-3 model) a saved tensor that is a
+view of a gathered unit's current buffer is packed as (unit, size, stride, offset) and rebuilt in backward
+from the re-gathered buffer, which the gatherer's backward hooks normally have ready; if not, unpacking
+gathers it (backward unpacks in the same order on every rank, so that gather is collective-safe).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from zeroshard.flat_param import FlatUnit
+
+
+@dataclasses.dataclass(frozen=True)
+class _SavedView:
+    unit: FlatUnit
+    size: torch.Size
+    stride: tuple[int, ...]
+    offset: int
+
+
+class SavedViews:
+    """The saved-tensor hooks of [Note: saved views].
+
+    ``gather(units)`` is the gatherer's (collective) gather; :meth:`note` must see every unit right after
+    it is gathered, so that its buffer is recognised.
+    """
+
+    def __init__(self, gather: Callable[[Sequence[FlatUnit]], None], rank: int) -> None:
+        self._gather = gather
+        self._rank = rank
+        # Storage address of each unit's last gathered buffer, both ways (an entry is stale once the unit is
+        # released and its address possibly reused: _pack checks).
+        self._unit_at: dict[int, FlatUnit] = {}
+        self._address_of: dict[int, int] = {}
+        self._active: list[contextlib.AbstractContextManager[None]] = []
+
+    def note(self, unit: FlatUnit) -> None:
+        """Remember where ``unit``'s gathered buffer lives."""
+        if not unit.gathered:
+            return
+        address = unit.full.untyped_storage().data_ptr()
+        old = self._address_of.get(unit.index)
+        if old is not None and self._unit_at.get(old) is unit:
+            del self._unit_at[old]
+        self._address_of[unit.index] = address
+        self._unit_at[address] = unit
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            yield
+
+    def enter(self) -> None:
+        """Activate until :meth:`exit` (from a forward pre-hook to a forward hook)."""
+        context = self.active()
+        context.__enter__()
+        self._active.append(context)
+
+    def exit(self) -> None:
+        if self._active:
+            self._active.pop().__exit__(None, None, None)
+
+    def _pack(self, tensor: torch.Tensor) -> Any:
+        address = tensor.untyped_storage().data_ptr()
+        unit = self._unit_at.get(address)
+        # Only the unit's current buffer: a released buffer's address may have been reused since.
+        if unit is not None and unit.gathered and unit.full.untyped_storage().data_ptr() == address:
+            return _SavedView(unit, tensor.size(), tensor.stride(), int(tensor.storage_offset()))
+        return tensor
+
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        if not isinstance(packed, _SavedView):
+            return packed
+        unit = packed.unit
+        if not unit.gathered:
+            self._gather([unit])
+        if not unit.gathered:
+            names = ", ".join(unit.names)
+            raise RuntimeError(
+                f"rank {self._rank}: backward needs unit {unit.index} ({names}) after its gradients were "
+                "already reduced and its parameters released"
+            )
+        return unit.full.as_strided(packed.size, packed.stride, packed.offset)
