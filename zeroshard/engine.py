@@ -27,7 +27,7 @@ from zeroshard.flat_param import FlatUnit
 from zeroshard.grad_sync import GradientReducer
 from zeroshard.hooks import ParameterGatherer
 from zeroshard.loss_scaler import LossScaleFloorError, LossScaler
-from zeroshard.memory import MemoryBreakdown, optimizer_state_bytes, predict
+from zeroshard.memory import MemoryBreakdown, measure
 from zeroshard.offload.setup import Offload
 from zeroshard.optimizer import ShardedStep
 from zeroshard.precision import cast_floating
@@ -331,28 +331,12 @@ class ZeroshardEngine(nn.Module):
 
     def memory_breakdown(self) -> MemoryBreakdown:
         """This rank's model-state bytes, measured from the tensors it holds, and the formula's prediction."""
-        held = [u.bytes_held() for u in self.units]
-        n = sum(u.numel for u in self.units)
-        policy = self.units[0].policy if self.units else None
-        compute_bytes = policy.compute.itemsize if policy else 4
-        grad_bytes = policy.accumulate.itemsize if policy else 4
-        master_copy = policy is not None and not policy.master_is_compute
-        return MemoryBreakdown(
+        return measure(
+            self.units,
+            self.optimizer,
             stage=self.plan.stage,
             world_size=self.world_size,
-            num_parameters=n,
-            parameters=sum(h["parameters"] for h in held),
-            gradients=sum(h["gradients"] for h in held),
-            optimizer_state=optimizer_state_bytes(self.optimizer) + sum(h["master"] for h in held),
             communication_buffers=self.reducer.peak_bucket_bytes,
-            predicted=predict(
-                n,
-                self.world_size,
-                self.plan.stage,
-                compute_bytes=compute_bytes,
-                grad_bytes=grad_bytes,
-                master_copy=master_copy,
-            ),
             offloaded=self.offload.offloaded_bytes(),
         )
 

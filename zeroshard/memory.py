@@ -19,9 +19,14 @@ Adam (c = 2, m = 4) this gives the paper's 16N, 4N + 12N/W, 2N + 14N/W and 16N/W
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from zeroshard.flat_param import FlatUnit
 
 ADAM_STATE_BYTES = 8
 
@@ -94,3 +99,36 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
                 seen.add(value.untyped_storage().data_ptr())
                 total += value.numel() * value.element_size()
     return total
+
+
+def measure(
+    units: Sequence[FlatUnit],
+    optimizer: torch.optim.Optimizer | None,
+    *,
+    stage: int,
+    world_size: int,
+    communication_buffers: int,
+    offloaded: int,
+) -> MemoryBreakdown:
+    """This rank's model-state bytes held by ``units`` and ``optimizer``, beside the formula's prediction."""
+    held = [u.bytes_held() for u in units]
+    n = sum(u.numel for u in units)
+    policy = units[0].policy if units else None
+    return MemoryBreakdown(
+        stage=stage,
+        world_size=world_size,
+        num_parameters=n,
+        parameters=sum(h["parameters"] for h in held),
+        gradients=sum(h["gradients"] for h in held),
+        optimizer_state=optimizer_state_bytes(optimizer) + sum(h["master"] for h in held),
+        communication_buffers=communication_buffers,
+        predicted=predict(
+            n,
+            world_size,
+            stage,
+            compute_bytes=policy.compute.itemsize if policy else 4,
+            grad_bytes=policy.accumulate.itemsize if policy else 4,
+            master_copy=policy is not None and not policy.master_is_compute,
+        ),
+        offloaded=offloaded,
+    )
