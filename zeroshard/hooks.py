@@ -119,6 +119,8 @@ class ParameterGatherer:
         self._done: set[int] = set()
         self.peak_gathered_bytes = 0
         self.saved_views = SavedViews(self.gather, comm.rank)  # see [Note: saved views]
+        # Whether any unit's shard lives on NVMe (decided when the units were built, before this).
+        self._reads_ahead = any(u.param_home is not None for _, us in module_units for u in us)
 
     # -- hooks ---------------------------------------------------------------------------------------
     def register(self, root: nn.Module) -> None:
@@ -192,7 +194,6 @@ class ParameterGatherer:
         self._read_ahead()
         for unit in units:
             unit.finish_gather()
-        for unit in units:
             self.saved_views.note(unit)
         live = sum(u.full.numel() * u.full.element_size() for u in self._all_units() if u.gathered)
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, live)
@@ -254,6 +255,8 @@ class ParameterGatherer:
     def _read_ahead(self) -> None:
         """Start reading NVMe-offloaded shards of the units that follow in last step's order, twice the
         prefetch budget ahead, so a gather finds its shard in memory (no-op for shards in memory)."""
+        if not self._reads_ahead:
+            return
         budget = 2 * self.prefetch_elements
         for unit in self._schedule[self._cursor :]:
             if budget <= 0:

@@ -154,6 +154,15 @@ class NvmeStore:
         region.written, region.failed = True, False
         return self._io.submit("write", key, region, tensor)
 
+    def write_ranges(self, flat: torch.Tensor, ranges: Iterable[tuple[str, int, int]]) -> None:
+        """Write ``flat[start:start + numel]`` to each ``key`` of ``ranges`` (key, start, numel), all in
+        flight at once, and wait for them (moving a tensor into the store)."""
+        cpu = flat.to("cpu")
+        parts = [cpu[start : start + numel].contiguous() for _, start, numel in ranges]
+        futures = [self.write(key, part) for (key, _, _), part in zip(ranges, parts, strict=True)]
+        for future in futures:
+            future.result()
+
     def read(self, key: str, out: torch.Tensor) -> Future[None]:
         """Fill `out` with the bytes last written to `key`; see the caller's contract.
 

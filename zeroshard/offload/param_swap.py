@@ -47,9 +47,7 @@ class ParamShardStore:
         shard = unit.param_shard
         self._regions[unit.index] = [(f"p{g.index}", g.start, g.numel) for g in groups]
         self._dtype[unit.index] = shard.dtype
-        cpu = shard.to("cpu")
-        for key, start, numel in self._regions[unit.index]:
-            self.store.write(key, cpu[start : start + numel].contiguous()).result()
+        self.store.write_ranges(shard, self._regions[unit.index])
         unit.param_home = self
         unit.drop_param_shard()
 

@@ -125,9 +125,7 @@ class OptimizerStateSwapper:
         if not unit.separate_master:
             return groups  # fp32 stages 0-2: the master is the parameters' own shard and stays with them
         master = unit.offload_master()
-        cpu = master.to("cpu")
-        for g in groups:
-            self.store.write(g.key("master"), cpu[g.start : g.start + g.numel].contiguous()).result()
+        self.store.write_ranges(master, [(g.key("master"), g.start, g.numel) for g in groups])
         return groups
 
     def bind(self, slices: Sequence[OptimizerSlice], optimizer: torch.optim.Optimizer) -> None:
@@ -174,8 +172,8 @@ class OptimizerStateSwapper:
                 sl.master.grad = None
             self._swap_out(g, current)  # write k while k+1 steps
         self._drain()
-        for unit in {id(g.unit): g.unit for g in self.groups}.values():
-            unit.master_stale = False
+        for g in work:  # every stale unit's sub-groups were in the work list
+            g.unit.master_stale = False
         release_free_memory()
 
     @contextlib.contextmanager
