@@ -201,11 +201,11 @@ ZERO_FORMULA = {
 }
 
 
-def mean_over_ranks(value: float) -> float:
+def mean_over_ranks(value: float, device: torch.device) -> float:
     """Collective (when distributed): call on all ranks. Averages a Python float across ranks."""
     if not (dist.is_available() and dist.is_initialized()):
         return value
-    t = torch.tensor([value], dtype=torch.float64)
+    t = torch.tensor([value], dtype=torch.float64, device=device)  # NCCL reduces CUDA tensors only
     dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return float(t.item()) / dist.get_world_size()
 
@@ -344,7 +344,7 @@ def main() -> None:
         if hasattr(sampler, "set_epoch"):
             sampler.set_epoch(epoch)
         for x, y in dataloader:
-            micro_loss = engine(x, y)
+            micro_loss = engine(x.to(engine.device), y.to(engine.device))
             engine.backward(micro_loss)  # the engine divides by gradient_accumulation_steps
             window_loss += micro_loss.item()
             boundary = engine.is_gradient_accumulation_boundary()  # does this micro-batch end the window?
@@ -354,7 +354,7 @@ def main() -> None:
                 continue
 
             # One optimizer step done. Every rank must reach these collectives.
-            loss = mean_over_ranks(window_loss / gas)
+            loss = mean_over_ranks(window_loss / gas, engine.device)
             window_loss = 0.0
             elapsed = time.perf_counter() - t_step
             step = engine.global_steps

@@ -1,4 +1,4 @@
-"""Spawn gloo worker processes for a test, with a timeout and the failing rank's traceback.
+"""Spawn gloo (on a GPU, NCCL) worker processes for a test, with a timeout and the failing rank's traceback.
 
 Rendezvous is a ``file://`` in a fresh temporary directory (no ports, so no port races). Each worker gets
 ``(rank, world_size, *args)``; whatever it returns comes back to the test, in rank order.
@@ -31,13 +31,16 @@ def _entry(
     args: tuple[Any, ...],
     results: Any,
     collective_timeout: float,
+    backend: str,
 ) -> None:
     torch.set_num_threads(1)
     os.environ.pop("WORLD_SIZE", None)  # workers join through the file rendezvous, not torchrun's env
     os.environ["ZEROSHARD_COLLECTIVE_TIMEOUT_S"] = str(collective_timeout)
     try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
         dist.init_process_group(
-            "gloo",
+            backend,
             init_method=f"file://{init_file}",
             rank=rank,
             world_size=world_size,
@@ -60,11 +63,17 @@ def _entry(
 
 
 def run_distributed(
-    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 240, collective_timeout: float = 60
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 240,
+    collective_timeout: float = 60,
+    backend: str = "gloo",
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes; return their results.
 
     ``collective_timeout`` is the process group's timeout: a collective that cannot complete raises then.
+    ``backend="nccl"`` gives rank r the GPU r (one GPU per rank, as NCCL requires).
 
     Raises AssertionError carrying the first failing rank's traceback, prefixed with its rank, or naming the
     ranks still running when ``timeout`` seconds have passed (they are killed).
@@ -76,7 +85,7 @@ def run_distributed(
         procs = [
             ctx.Process(
                 target=_entry,
-                args=(fn, r, world_size, init_file, args, results, collective_timeout),
+                args=(fn, r, world_size, init_file, args, results, collective_timeout, backend),
                 daemon=True,
             )
             for r in range(world_size)

@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from zeroshard.comm import Comm
 from zeroshard.config import ConfigWarning, ZeroshardConfig, load_config, resolve_config_source
-from zeroshard.dist import init_distributed, local_rank
+from zeroshard.dist import init_distributed, local_rank, training_device
 from zeroshard.engine import ZeroshardEngine
 from zeroshard.grad_sync import Averaging, GradientReducer
 from zeroshard.hooks import ParameterGatherer
@@ -82,6 +82,8 @@ def initialize(
         logger.info("zeroshard config:\n%s", cfg.dump())
 
     groups = normalize_param_groups(model, client_opt.param_groups if client_opt else model_parameters)
+    device = training_device(model, comm)
+    model.to(device)  # the same Parameter objects: the client optimizer and zero.Init's shards keep them
     _broadcast_from_rank0(model, comm)
     offload = build_offload(cfg, plan, policy, model, comm)
     swapper = offload.optimizer_swapper
@@ -143,6 +145,7 @@ def initialize(
         optimizer=opt,
         lr_scheduler=scheduler,
         local_rank=local_rank(),
+        device=device,
         loss_scaler=loss_scaler_from_config(cfg),
         gatherer=gatherer,
     )

@@ -106,8 +106,13 @@ class Comm:
         if dist.is_available() and dist.is_initialized():
             self.rank = dist.get_rank(group)
             self.world_size = dist.get_world_size(group)
+            nccl = dist.get_backend(group) == "nccl"
         else:
             self.rank, self.world_size = 0, 1
+            nccl = False
+        # Where this group's tensors must be: NCCL moves CUDA tensors only (the current device, which
+        # init_distributed set from LOCAL_RANK); gloo moves CPU tensors.
+        self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
 
     def new_channel(self) -> Comm:
         """A second group over the same ranks, sharing this one's byte counts.
@@ -211,8 +216,8 @@ class Comm:
         """
         if self.world_size == 1:
             return [value]
-        mine = torch.tensor([value], dtype=torch.int64)
-        out = torch.empty(self.world_size, dtype=torch.int64)
+        mine = torch.tensor([value], dtype=torch.int64, device=self.device)
+        out = torch.empty(self.world_size, dtype=torch.int64, device=self.device)
         fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         Pending(fn(out, mine, group=self.group, async_op=True), what, self.rank, self.timeout).wait()
         return [int(v) for v in out]
@@ -224,15 +229,16 @@ class Comm:
         """
         if self.world_size == 1:
             return flags
-        buf = flags.to(torch.uint8)
+        buf = flags.to(device=self.device, dtype=torch.uint8)
         work = dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
         Pending(work, what, self.rank, self.timeout).wait()
-        return buf.bool()
+        return buf.bool().to(flags.device)
 
     def sum_scalar(self, value: torch.Tensor, *, what: str = "scalar all_reduce") -> torch.Tensor:
         """Sum a small tensor across ranks (e.g. squared gradient norms). Collective: call on all ranks."""
         if self.world_size == 1:
             return value
-        work = dist.all_reduce(value, group=self.group, async_op=True)
+        buf = value.to(self.device)
+        work = dist.all_reduce(buf, group=self.group, async_op=True)
         Pending(work, what, self.rank, self.timeout).wait()
-        return value
+        return buf

@@ -8,6 +8,7 @@ import os
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from zeroshard.comm import DEFAULT_TIMEOUT, Comm
 
@@ -23,6 +24,23 @@ def default_backend() -> str:
 
 def local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def training_device(model: nn.Module, comm: Comm) -> torch.device:
+    """The device ``initialize`` trains ``model`` on (DeepSpeed's rule: this process's accelerator).
+
+    A model already on an accelerator stays there. A model on the CPU moves to ``cuda:LOCAL_RANK`` when
+    the process group runs NCCL, or when there is no process group and CUDA is available; with gloo (or
+    without CUDA) it stays on the CPU.
+    """
+    current = next((t.device for t in (*model.parameters(), *model.buffers())), torch.device("cpu"))
+    if current.type != "cpu":
+        return current
+    if comm.device.type == "cuda":
+        return comm.device
+    if not dist.is_initialized() and torch.cuda.is_available():
+        return torch.device("cuda", local_rank())
+    return current
 
 
 def init_distributed(

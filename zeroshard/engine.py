@@ -57,6 +57,7 @@ class ZeroshardEngine(nn.Module):
         optimizer: torch.optim.Optimizer | None,
         lr_scheduler: Any | None,
         local_rank: int,
+        device: torch.device | None = None,
         loss_scaler: LossScaler | None = None,
         gatherer: ParameterGatherer | None = None,
         offload: Offload | None = None,
@@ -72,6 +73,7 @@ class ZeroshardEngine(nn.Module):
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
         self.local_rank = local_rank
+        self.device = device or torch.device("cpu")  # where the module computes: move inputs here
         self.loss_scaler = loss_scaler
         self.gatherer = gatherer
         self.offload = offload or Offload()

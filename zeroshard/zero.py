@@ -242,6 +242,7 @@ def materialize(params: Iterable[nn.Parameter], comm: Comm) -> None:
                 f"rank {comm.rank}: a parameter was partitioned by zeroshard.zero.Init over {world} ranks "
                 f"but initialize() runs on {comm.world_size}: build the model with the same process group"
             )
+        shard = shard.to(param.device)  # initialize() moved the placeholder to the training device
         full = torch.empty(world * shard.numel(), dtype=shard.dtype, device=shard.device)
         comm.all_gather(full, shard, what="zero.Init parameter gather").wait()
         param.data = full[: shape.numel()].view(shape).clone()

@@ -1,0 +1,248 @@
+"""The CUDA paths: NCCL, parameters on the GPU, pinned CPU offload beside the GPU, 16-bit kernels on the GPU.
+
+Skipped without a GPU (CI has none; run on a GPU machine with ``pytest tests/test_cuda.py``). One NCCL
+process at world size 1 (NCCL needs one GPU per rank) runs every sub-case. The standard check is parity:
+
+* fp32, every stage, against single-process training of the same model on the same GPU, with the same torch
+  optimizer class: at world size 1 the NCCL reductions are the identity, so the only difference left is the
+  order of the optimizer's arithmetic over one flat tensor instead of per-parameter tensors (a few fp32 ulps,
+  allowed as 1e-6 relative to the parameter plus 1e-7).
+* ZeRO-Offload (``offload_optimizer.device: cpu``) and NVMe offload against the same run in GPU memory: the
+  step runs on the CPU on pinned fp32 masters. CPU and GPU kernels round differently in the last ulp (fused
+  multiply-add): in fp32, 1e-5 of the parameter's size plus 1e-6 after three steps; in bf16 an ulp of a
+  master can flip the rounding of its bf16 copy, so the mixed-precision tolerance below.
+* bf16 and fp16 at every stage against the same recipe by hand (fp32 masters, 16-bit compute), with the
+  tolerance of tests/test_mixed_precision.py (3% of the reference's movement plus 1% of lr per step).
+"""
+
+from __future__ import annotations
+
+import copy
+import tempfile
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import zeroshard
+from tests.distributed import run_distributed
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CI has none)")
+
+VOCAB, WIDTH, STEPS, LR = 50, 64, 3, 1e-2
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(WIDTH)
+        self.up = nn.Linear(WIDTH, 4 * WIDTH)
+        self.down = nn.Linear(4 * WIDTH, WIDTH)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.down(F.gelu(self.up(self.norm(h))))
+
+
+class TinyLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, WIDTH)
+        self.blocks = nn.ModuleList(Block() for _ in range(3))
+        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
+        self.head.weight = self.emb.weight  # tied
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)
+        for block in self.blocks:
+            h = block(h)
+        return F.cross_entropy(self.head(h).reshape(-1, VOCAB), y.reshape(-1))
+
+
+def _model() -> TinyLM:
+    torch.manual_seed(0)
+    return TinyLM()
+
+
+def _batch(step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 * step + micro)
+    x = torch.randint(0, VOCAB, (4, 16), generator=g)
+    return x.cuda(), torch.randint(0, VOCAB, (4, 16), generator=g).cuda()
+
+
+def _config(stage: int, precision: str = "fp32", gas: int = 1, clip: float = 0.0, **zero: Any) -> dict:
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": gas,
+        "gradient_clipping": clip,
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 5000, **zero},
+    }
+    if stage == 3:
+        config["zero_optimization"].update(stage3_param_persistence_threshold=100)
+    if precision != "fp32":
+        config[precision] = {"enabled": True, **({"initial_scale_power": 8} if precision == "fp16" else {})}
+    return config
+
+
+def _train(config: dict, steps: int = STEPS, model: nn.Module | None = None) -> tuple[Any, dict]:
+    model = model if model is not None else _model()
+    engine, _opt, _, _ = zeroshard.initialize(
+        model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=LR), config=config
+    )
+    for step in range(steps):
+        for micro in range(config["gradient_accumulation_steps"]):
+            engine.backward(engine(*_batch(step, micro)))
+            engine.step()
+    return engine, _masters(engine)
+
+
+def _masters(engine: Any) -> dict[str, torch.Tensor]:
+    """Each parameter's fp32 master values at world size 1 (the whole parameter), on the CPU."""
+    out: dict[str, torch.Tensor] = {}
+    with engine.offload.resident(write_back=False):
+        for sl in engine.sharded_step.slices:
+            name = sl.unit.names[sl.piece.index]
+            out[name] = sl.master.detach().float().cpu().clone()
+    return out
+
+
+def _reference(precision: str, gas: int = 1, clip: float = 0.0) -> dict[str, torch.Tensor]:
+    """Single-process training on the GPU: fp32, or fp32 masters with a 16-bit compute copy."""
+    master = _model().cuda()
+    dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    compute = copy.deepcopy(master).to(dtype) if dtype else master
+    opt = torch.optim.AdamW(master.parameters(), lr=LR)
+    scale = 2.0**8 if precision == "fp16" else 1.0
+    for step in range(STEPS):
+        for micro in range(gas):
+            (compute(*_batch(step, micro)) * scale / gas).backward()
+        if compute is not master:
+            for p, q in zip(master.parameters(), compute.parameters(), strict=True):
+                p.grad = None if q.grad is None else q.grad.float() / scale
+                q.grad = None
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(list(master.parameters()), clip)
+        opt.step()
+        opt.zero_grad()
+        if compute is not master:
+            with torch.no_grad():
+                for p, q in zip(compute.parameters(), master.parameters(), strict=True):
+                    p.copy_(q)
+    return {n: p.detach().float().cpu().reshape(-1) for n, p in master.named_parameters()}
+
+
+def _flat(masters: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {n: t.reshape(-1) for n, t in masters.items()}
+
+
+def _close(got: dict, want: dict, rel: float, abs_: float, what: str) -> float:
+    assert set(got) <= set(want), f"{what}: unexpected names {set(got) - set(want)}"
+    worst = 0.0
+    for name, value in _flat(got).items():
+        ref = want[name][: value.numel()]
+        err = float((value - ref).abs().max())
+        bound = rel * float(ref.abs().max()) + abs_
+        assert err <= bound, f"{what}: {name} differs by {err:.3g} (allowed {bound:.3g})"
+        worst = max(worst, err)
+    return worst
+
+
+def _moved_bound(got: dict, want: dict, init: dict, step_count: int, what: str) -> None:
+    for name, value in _flat(got).items():
+        ref = want[name][: value.numel()]
+        moved = float((ref - init[name][: value.numel()]).abs().max())
+        err = float((value - ref).abs().max())
+        assert err <= 0.03 * moved + 0.01 * LR * step_count, f"{what}: {name} differs by {err:.3g}"
+
+
+def cuda_worker(rank: int, world_size: int, nvme_dir: str) -> dict[str, Any]:
+    report: dict[str, Any] = {}
+    init = {n: p.detach().float().reshape(-1) for n, p in _model().named_parameters()}
+
+    # Where things live: the engine moves the model to cuda:LOCAL_RANK, as DeepSpeed does.
+    engine, _ = _train(_config(2), steps=1)
+    assert engine.device == torch.device("cuda", 0), engine.device
+    assert all(p.device.type == "cuda" for p in engine.module.parameters())
+    assert engine.comm.device.type == "cuda"
+
+    # fp32 parity, every stage, with accumulation and clipping.
+    ref = _reference("fp32")
+    for stage in (0, 1, 2, 3):
+        _, got = _train(_config(stage))
+        report[f"fp32 stage {stage}"] = _close(got, ref, 1e-6, 1e-7, f"fp32 stage {stage}")
+    ref_acc = _reference("fp32", gas=2, clip=0.05)
+    for stage in (0, 2, 3):
+        _, got = _train(_config(stage, gas=2, clip=0.05))
+        report[f"fp32 stage {stage} gas 2 clip"] = _close(got, ref_acc, 1e-5, 1e-6, f"fp32 {stage} acc")
+
+    # 16-bit kernels on the GPU against the same recipe by hand.
+    for precision in ("bf16", "fp16"):
+        want = _reference(precision)
+        for stage in (0, 1, 2, 3):
+            engine, got = _train(_config(stage, precision))
+            assert all(
+                p.dtype == getattr(torch, {"bf16": "bfloat16"}.get(precision, "float16"))
+                for p in engine.module.parameters()
+            )
+            _moved_bound(got, want, init, STEPS, f"{precision} stage {stage}")
+
+    # ZeRO-Offload: masters and optimizer state in pinned CPU memory, the step on the CPU.
+    for precision in ("fp32", "bf16"):
+        for stage in (1, 2, 3):
+            _, in_gpu = _train(_config(stage, precision))
+            engine, got = _train(_config(stage, precision, offload_optimizer={"device": "cpu"}))
+            for unit in engine.units:
+                assert unit.master.device.type == "cpu" and unit.master.is_pinned(), unit.names
+            for state in engine.optimizer.state.values():
+                for value in state.values():
+                    if torch.is_tensor(value) and value.numel() > 1:
+                        assert value.device.type == "cpu", "optimizer state left on the GPU"
+            what = f"cpu offload {precision} stage {stage}"
+            if precision == "fp32":
+                report[what] = _close(got, _flat(in_gpu), 1e-5, 1e-6, what)
+            else:  # an ulp of the master can flip a bf16 rounding: the mixed-precision tolerance
+                _moved_bound(got, _flat(in_gpu), init, STEPS, what)
+
+    # ZeRO-Infinity on a GPU: optimizer state and stage-3 parameter shards in NVMe files.
+    for stage in (2, 3):
+        nvme = {"device": "nvme", "nvme_path": nvme_dir}
+        extra: dict[str, Any] = {"offload_optimizer": nvme, "sub_group_size": 3000}
+        if stage == 3:
+            extra["offload_param"] = nvme
+        _, in_gpu = _train(_config(stage, "bf16"))
+        engine, got = _train(_config(stage, "bf16", **extra))
+        _moved_bound(got, _flat(in_gpu), init, STEPS, f"nvme offload bf16 stage {stage}")
+        engine.destroy()
+
+    # zero.Init on the GPU machine: partitioned on the CPU, moved and gathered on the GPU; same result.
+    with zeroshard.zero.Init():
+        model = _model()
+    _, got = _train(_config(3), model=model)
+    report["zero.Init stage 3"] = _close(got, ref, 1e-6, 1e-7, "zero.Init stage 3")
+
+    # A checkpoint saved on the GPU resumes at another stage and precision.
+    engine, _ = _train(_config(2, "bf16"), steps=2)
+    with tempfile.TemporaryDirectory() as tmp:
+        engine.save_checkpoint(tmp)
+        before = _masters(engine)
+        other = _model()
+        resumed, _, _, _ = zeroshard.initialize(
+            model=other, optimizer=torch.optim.AdamW(other.parameters(), lr=LR), config=_config(3, "bf16")
+        )
+        path, _ = resumed.load_checkpoint(tmp)
+        assert path is not None
+        after = _masters(resumed)
+        for name, value in after.items():
+            assert torch.equal(value.reshape(-1), before[name].reshape(-1)[: value.numel()]), name
+        resumed.backward(resumed(*_batch(9, 0)))
+        resumed.step()
+    report["peak GPU MiB"] = torch.cuda.max_memory_allocated() / 2**20
+    return report
+
+
+def test_cuda_paths_on_one_gpu_with_nccl() -> None:
+    with tempfile.TemporaryDirectory() as nvme_dir:
+        (report,) = run_distributed(cuda_worker, 1, nvme_dir, backend="nccl", timeout=600)
+    for key, value in report.items():
+        print(f"{key}: {value:.3g}")
