@@ -167,7 +167,10 @@ class FlatUnit:
         if self.gathered or self._gathering is not None:
             return
         self.full = torch.empty(self.layout.padded, dtype=self.policy.compute, device=self.device)
-        shard = self.param_shard.to(device=self.device, dtype=self.policy.compute)
+        source = self.param_shard
+        # From pinned CPU memory (ZeRO-Offload masters) the cast runs on the GPU after an async DMA; the
+        # optimizer step waits for the stream before it writes the masters again (ShardedStep._step_grads).
+        shard = source.to(device=self.device, dtype=self.policy.compute, non_blocking=self._host_to_device)
         self._gathering = comm.all_gather(
             self.full, shard, what=f"parameter all_gather of unit {self.index} ({self.names[0]}, ...)"
         )
@@ -250,7 +253,12 @@ class FlatUnit:
             return  # the next gather reads the master, or it is offloaded (the swapper wrote each sub-group)
         shard = self.own_full_shard()
         if shard.data_ptr() != self.master.data_ptr():
-            shard.copy_(self.master)
+            shard.copy_(self.master, non_blocking=self._host_to_device)  # see start_gather
+
+    @property
+    def _host_to_device(self) -> bool:
+        """Whether the master lives in CPU memory beside a GPU (pinned: copies to the GPU may be async)."""
+        return self.device.type == "cuda" and self.master.device.type == "cpu"
 
     def copy_full_to_master(self) -> None:
         """Take this rank's slice of ``full`` (modified in place, e.g. by load_state_dict) into the master."""

@@ -102,10 +102,13 @@ def reseat_optimizer(optimizer: torch.optim.Optimizer, sharded_groups: Sequence[
 class ShardedStep:
     """Turns reduced gradient shards into the optimizer's gradients and runs the post-step gather.
 
-    The optimizer steps fp32 masters with fp32 gradients: where a unit's gradient shard is kept in a
-    16-bit dtype, :meth:`prepare` makes a transient fp32 copy for the step (dropped by :meth:`release`).
-    With the optimizer offloaded that copy (and the unscale/clip factor) is made per sub-group instead, so
-    no fp32 copy of every gradient ever exists; the values are the same.
+    The overflow check and the gradient norm read the reduced shards where they are (device and dtype);
+    the unscale/clip factor is only recorded (:meth:`scale_grads`). :meth:`run` then gives the optimizer
+    fp32 gradients on the master's device with the factor applied: a transient fp32 copy where a shard is
+    16-bit, a pinned host copy where the master lives in CPU memory beside a GPU (ZeRO-Offload: cast on
+    the GPU, copied asynchronously, one wait), or, with the optimizer offloaded to NVMe, per sub-group
+    inside the swapper so that no fp32 copy of every gradient ever exists. The values are the same on
+    every path.
 
     Collective: :meth:`grad_norm` (sharded stages), :meth:`any_nonfinite` and :meth:`gather_params` must be
     called on all ranks.
@@ -128,17 +131,13 @@ class ShardedStep:
         self.plan = plan
         self._grads: dict[int, torch.Tensor] = {}
         self._slice_grads: dict[int, torch.Tensor | None] = {}
-        self._factor = 1.0  # pending gradient scale (offloaded: applied per sub-group)
+        self._factor = 1.0  # pending gradient scale: unscale and clip, applied by run()
+        self._host_grads: dict[int, torch.Tensor] = {}  # pinned fp32 staging for masters in CPU memory
 
     def prepare(self) -> None:
-        """Make each unit's gradient shard available in the master's dtype and on its device."""
+        """Take each unit's reduced gradient shard, as it is, for the checks, the norm and the step."""
         self._factor = 1.0
-        if self.swapper is not None:
-            self._grads = {u.index: u.grad_shard for u in self.units}
-            return
-        self._grads = {
-            u.index: u.grad_shard.to(device=u.master.device, dtype=u.master.dtype) for u in self.units
-        }
+        self._grads = {u.index: u.grad_shard for u in self.units}
 
     def release(self) -> None:
         for sl in self.slices:
@@ -147,10 +146,9 @@ class ShardedStep:
         self._slice_grads = {}
 
     def attach_grads(self, has_grad: Sequence[torch.Tensor]) -> None:
-        """Give each slice its gradient, or None where no rank produced one for its parameter.
+        """Record each slice's gradient (a view of the reduced shard), or None where no rank produced one.
 
-        With the optimizer state offloaded the gradients are only recorded here: the swapper attaches
-        each sub-group's while it is resident.
+        :meth:`run` hands them to the optimizer (or the NVMe swapper, one sub-group at a time).
         """
         by_unit = {u.index: flags for u, flags in zip(self.units, has_grad, strict=True)}
         for sl in self.slices:
@@ -158,15 +156,41 @@ class ShardedStep:
             start = sl.piece.shard_start
             grad = self._grads[sl.unit.index][start : start + sl.piece.numel] if used else None
             self._slice_grads[id(sl.master)] = grad
-            if self.swapper is None:
-                sl.master.grad = grad
 
     def run(self, optimizer: torch.optim.Optimizer) -> None:
         """The optimizer step over the attached gradients: one call, or one per offloaded sub-group."""
-        if self.swapper is None:
-            optimizer.step()
-        else:
+        if self.swapper is not None:
             self.swapper.step(self._slice_grads, self._factor)
+            return
+        step_grads = self._step_grads()
+        for sl in self.slices:
+            if self._slice_grads[id(sl.master)] is not None:
+                start = sl.piece.shard_start
+                sl.master.grad = step_grads[sl.unit.index][start : start + sl.piece.numel]
+        optimizer.step()
+
+    def _step_grads(self) -> dict[int, torch.Tensor]:
+        """Each unit's gradient shard in its master's dtype and on its device, times the pending factor."""
+        out: dict[int, torch.Tensor] = {}
+        waits: set[torch.device] = set()
+        for unit in self.units:
+            grad, master = unit.grad_shard, unit.master
+            if grad.device.type == "cuda" and master.device.type == "cpu":
+                host = self._host_grads.get(unit.index)
+                if host is None:
+                    host = torch.empty(grad.numel(), dtype=master.dtype, pin_memory=True)
+                    self._host_grads[unit.index] = host
+                host.copy_(grad, non_blocking=True)  # cast on the GPU, then one DMA into pinned memory
+                waits.add(grad.device)
+                out[unit.index] = host
+            else:
+                out[unit.index] = grad.to(device=master.device, dtype=master.dtype)
+        for device in waits:
+            torch.cuda.current_stream(device).synchronize()  # also orders earlier copies from the masters
+        if self._factor != 1.0:
+            for grad in out.values():
+                grad.mul_(self._factor)
+        return out
 
     def any_nonfinite(self) -> bool:
         """Whether any rank's gradients hold inf or NaN (one small all-reduce)."""
@@ -192,11 +216,8 @@ class ShardedStep:
         return math.sqrt(float(local))
 
     def scale_grads(self, factor: float) -> None:
-        if self.swapper is not None:
-            self._factor *= factor
-            return
-        for grad in self._grads.values():
-            grad.mul_(factor)
+        """Multiply the gradients the optimizer will see by ``factor`` (applied by :meth:`run`)."""
+        self._factor *= factor
 
     def gather_params(self) -> None:
         """Copy stepped masters into the full parameters; all-gather them where shards differ per rank.
@@ -206,6 +227,9 @@ class ShardedStep:
         """
         for unit in self.units:
             unit.copy_master_to_full()
+        on_host = [u for u in self.units if u.device.type == "cuda" and u.master.device.type == "cpu"]
+        for device in {u.device for u in on_host}:
+            torch.cuda.current_stream(device).synchronize()  # the masters may change once this returns
         inflight: list[Pending] = []
         elements = 0
         for unit in self.units:
