@@ -74,6 +74,15 @@ def variants(n_embd: int) -> dict[str, dict[str, Any]]:
             "stage3_max_reuse_distance": 0,
             "stage3_prefetch_bucket_size": 2 * block,
         },
+        # DeepSpeed's stage3_module_granularity_threshold at a block's granularity (parameters over its
+        # 9 parameterised modules): each transformer block becomes one unit, gathered by the block.
+        "stage3-blocks": {
+            "stage": 3,
+            "stage3_param_persistence_threshold": 10_000,
+            "stage3_max_reuse_distance": 0,
+            "stage3_prefetch_bucket_size": 2 * block,
+            "stage3_module_granularity_threshold": (12 * n_embd * n_embd + 13 * n_embd) // 9 + 1,
+        },
         "stage3-ds-defaults": {
             "stage": 3,
             "stage3_param_persistence_threshold": 100_000,

@@ -19,6 +19,7 @@ the ZeRO paper's formula.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 import time
@@ -241,12 +242,26 @@ def memory_table(engine: Any) -> str | None:
         pred = "" if predicted is None else f"({predicted / MIB:.2f})"
         return f"{measured / MIB:7.2f} {pred:>8}"
 
+    # The formula actually predicted, in bytes per parameter: gradients are kept in the accumulation
+    # dtype, fp32 under bf16/fp16 with gradient accumulation (the paper's formula assumes 16-bit ones).
+    pred = mb.predicted
+    p_bytes = round(pred.parameters * (w if stage >= 3 else 1) / n)
+    g_bytes = round(pred.gradients * (w if stage >= 2 else 1) / n)
+    o_bytes = round(pred.optimizer_state * (w if stage >= 1 else 1) / n)
+    g_kind = "grads" if g_bytes == p_bytes else f"{'fp32' if g_bytes == 4 else '16-bit'} grads (accumulation)"
+    formula = (
+        f"{p_bytes}N{'/W' if stage >= 3 else ''} params + {g_bytes}N{'/W' if stage >= 2 else ''} {g_kind} + "
+        f"{o_bytes}N{'/W' if stage >= 1 else ''} optimizer state"
+    )
+    if g_bytes != p_bytes:
+        formula += f" (the paper's {ZERO_FORMULA[kind][stage]} keeps grads in the parameters' dtype)"
+
     offload = any(r["nvme"] for r in rows)
     cols = ["params", "grads", "optimizer state", "comm buffers", "total"] + (["on NVMe"] if offload else [])
     lines = [
         f"memory per rank after step 1, MiB measured (ZeRO prediction): stage {stage}, W={w}, N={n:,}",
-        f"{precision} Adam model states = {ZERO_FORMULA[kind][stage]}; predicted here "
-        f"{mb.predicted.total / MIB:.2f} MiB; comm buffers = peak of the transient gradient buckets",
+        f"{precision} Adam model states = {formula}; predicted here "
+        f"{pred.total / MIB:.2f} MiB; comm buffers = peak of the transient gradient buckets",
         "rank | " + " | ".join(f"{c:>16}" for c in cols),
     ]
     for rank, r in enumerate(rows):
@@ -288,8 +303,24 @@ def main() -> None:
     parser.add_argument(
         "--export-dir", help="write consolidated 16-bit/fp32 weights here at the end (safetensors)"
     )
+    parser.add_argument(
+        "--train-batch-size",
+        type=int,
+        help="global batch (samples per optimizer step), in place of the config's "
+        "gradient_accumulation_steps, which then follows the world size: to resume at another world size "
+        "with the saved run's batch",
+    )
     zeroshard.add_config_arguments(parser)  # --deepspeed_config / --zeroshard_config
     args = parser.parse_args()
+    if args.train_batch_size is not None:
+        if args.deepspeed_config is None:
+            parser.error("--train-batch-size needs --deepspeed_config")
+        with open(args.deepspeed_config, encoding="utf-8") as f:
+            ds_config = json.load(f)
+        # train_batch_size and the micro batch given, zeroshard derives the accumulation steps:
+        # train_batch_size // micro // world size (an error when that does not divide evenly).
+        ds_config.pop("gradient_accumulation_steps", None)
+        args.deepspeed_config = {**ds_config, "train_batch_size": args.train_batch_size}
 
     zeroshard.init_distributed()  # torchrun's env:// rendezvous, gloo on CPU; world size 1 without a launcher
 
@@ -307,11 +338,16 @@ def main() -> None:
     )
     rank0 = engine.global_rank == 0
     if args.load_dir:
-        # Collective. Restores weights, optimizer state, scheduler, counters and RNG, resharded to this run's
-        # world size and stage; the data order restarts (this demo's sampler is not checkpointed).
+        # Collective. Restores weights, optimizer state, scheduler, counters, RNG and the data loader's
+        # position (epoch, samples consumed), resharded to this run's world size and stage.
         path, _client_state = engine.load_checkpoint(args.load_dir)
-        if rank0:
-            print(f"resumed from {path} at step {engine.global_steps}", flush=True)
+        if rank0 and path is not None:
+            position = dataloader.state_dict()
+            print(
+                f"resumed from {path} at step {engine.global_steps}: epoch {position['epoch']}, "
+                f"{position['consumed_samples']:,} of {len(dataset):,} samples of it consumed",
+                flush=True,
+            )
     gas = engine.config.gradient_accumulation_steps
     tokens_per_step = engine.config.train_micro_batch_size_per_gpu * gas * engine.world_size * cfg.block_size
     if rank0:
@@ -324,8 +360,16 @@ def main() -> None:
             flush=True,
         )
 
+    # The script draws the progress bar, as DeepSpeed scripts do; the engine draws its own only when asked
+    # ($ZEROSHARD_PROGRESS_BAR=1), and then this one stays off so that the two do not overwrite each other,
+    # and the lines go above the engine's bar (tqdm.write) instead of through it.
     bar = None
-    if rank0 and sys.stdout.isatty():
+    say: Any = print
+    if rank0 and engine.telemetry.has_progress_bar:
+        from tqdm import tqdm
+
+        say = tqdm.write
+    elif rank0 and sys.stdout.isatty():
         try:
             from tqdm import tqdm
 
@@ -337,12 +381,11 @@ def main() -> None:
     loss = float("nan")
     window_loss = 0.0  # sum of this accumulation window's micro-batch losses on this rank
     t_step = time.perf_counter()
-    epoch = 0
+    epoch = dataloader.epoch  # 0, or the epoch the resumed checkpoint was in
     while engine.global_steps < args.steps:
-        # DistributedSampler reshuffles per epoch only when told the epoch.
-        sampler = getattr(dataloader, "sampler", None)
-        if hasattr(sampler, "set_epoch"):
-            sampler.set_epoch(epoch)
+        # DistributedSampler reshuffles per epoch only when told the epoch. After a resume the first pass
+        # continues the saved epoch from the sample it had reached, so the data stream goes on unbroken.
+        dataloader.set_epoch(epoch)
         for x, y in dataloader:
             micro_loss = engine(x.to(engine.device), y.to(engine.device))
             engine.backward(micro_loss)  # the engine divides by gradient_accumulation_steps
@@ -369,11 +412,11 @@ def main() -> None:
                 bar.set_postfix_str(line.split(" | ", 1)[1])
                 bar.update(1)
             elif rank0:
-                print(line, flush=True)
+                say(line)
             if step == 1:
                 table = memory_table(engine)
                 if table is not None:
-                    (bar.write if bar is not None else print)(table)
+                    (bar.write if bar is not None else say)(table)
                     sys.stdout.flush()
             if step >= args.steps:
                 break
@@ -384,15 +427,15 @@ def main() -> None:
         bar.close()
     if rank0 and first_loss is not None:
         steps = engine.global_steps
-        print(f"first loss {first_loss:.4f} -> final loss {loss:.4f} after {steps} optimizer steps")
+        say(f"first loss {first_loss:.4f} -> final loss {loss:.4f} after {steps} optimizer steps")
     if args.save_dir:
         start = time.perf_counter()
         path = engine.save_checkpoint(args.save_dir)  # collective: every rank writes its own shard
         if rank0:
             print(f"saved checkpoint {path} in {time.perf_counter() - start:.2f}s", flush=True)
     if args.export_dir:
-        # Collective; consolidated safetensors in the compute dtype (stage 3 asks for
-        # stage3_gather_16bit_weights_on_model_save, as DeepSpeed does; `zeroshard convert` works offline).
+        # Collective; consolidated safetensors in the compute dtype, at every stage (at stage 3 gathered one
+        # parameter at a time, with or without stage3_gather_16bit_weights_on_model_save).
         if engine.save_16bit_model(args.export_dir) and rank0:
             print(f"exported consolidated weights to {args.export_dir}", flush=True)
 

@@ -326,6 +326,17 @@ def errors_worker(rank: int, world_size: int, root: str) -> None:
         assert os.path.isfile(os.path.join(root, "pretrained", "model.safetensors.index.json"))
         assert_equal_params(get_fp32_state_dict(ckpt), params(engine), "get_fp32_state_dict")
 
+    # Stage 3 without stage3_gather_16bit_weights_on_model_save: the consolidated weights all the same.
+    stage3 = build(3, world_size)
+    assert not stage3.config.zero_optimization.gather_16bit_weights_on_model_save
+    train(stage3, rank, world_size, 1)
+    stage3.save_checkpoint(os.path.join(root, "stage3"))
+    assert stage3.save_16bit_model(os.path.join(root, "stage3-export"), "weights.safetensors") is True
+    if rank == 0:
+        truth = get_fp32_state_dict(os.path.join(root, "stage3"))
+        file = os.path.join(root, "stage3-export", "weights.safetensors")
+        assert_equal_params(load_consolidated(make_model(3), file).state_dict(), truth, "stage-3 export")
+
 
 def masters(engine: zeroshard.ZeroshardEngine) -> dict[str, torch.Tensor]:
     """Every trained parameter's fp32 master, gathered (collective at stages 1-2)."""

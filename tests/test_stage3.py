@@ -296,3 +296,79 @@ def test_forward_does_not_keep_released_layers_alive(monkeypatch: Any) -> None:
         # Without saved views autograd keeps all 8 layers (8 x 4 MiB); with them one or two at a time.
         assert without >= 6, without
         assert with_views <= 3.5, with_views
+
+
+class _Mlp(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, 4 * width)
+        self.proj = nn.Linear(4 * width, width)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(h)))
+
+
+class _Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.mlp = _Mlp(width)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.mlp(self.norm(h))
+
+
+class _Stack(nn.Module):
+    def __init__(self, width: int = 16, depth: int = 3) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(50, width)
+        self.blocks = nn.ModuleList(_Block(width) for _ in range(depth))
+        self.head = nn.Linear(width, 50)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)
+        for block in self.blocks:
+            h = block(h)
+        return F.cross_entropy(self.head(h).flatten(0, 1), y.flatten())
+
+
+def test_module_granularity_threshold_makes_fine_modules_leaves(caplog: Any) -> None:
+    """DeepSpeed's stage3_module_granularity_threshold: parameters over layers, leaves from the root down."""
+    from zeroshard.units import granularity_leaves
+
+    torch.manual_seed(0)
+    model = _Stack()
+    names = {id(m): n for n, m in model.named_modules()}
+    # _Mlp: (16*64+64 + 64*16+16) / 3 layers = 709; _Block: (32 + 2128) / 5 layers = 432;
+    # the root: 800 + 3*2160 + 850 = 8130 over 1 + 15 + 1 + 1 = 18 layers = 451 (the ModuleList is not one).
+    mlp, block, root = 2128 // 3, 2160 // 5, (800 + 3 * 2160 + 850) // 18
+    assert (mlp, block, root) == (709, 432, 451)
+    assert granularity_leaves(model, block - 1) == set()
+    assert "makes no module a leaf: the finest module's granularity is 432" in caplog.text
+    blocks = ["blocks.0", "blocks.1", "blocks.2"]
+    assert sorted(names[i] for i in granularity_leaves(model, block)) == blocks
+    assert sorted(names[i] for i in granularity_leaves(model, root - 1)) == blocks
+    assert [names[i] for i in granularity_leaves(model, root)] == [""]  # the root, first on the way down
+    assert granularity_leaves(model, 0) == set()
+
+    # Stage 3 with blocks as leaves: one unit per block, gathered by the block; trains as stage 0 does.
+    data = [(torch.randint(0, 50, (4, 6)), torch.randint(0, 50, (4, 6))) for _ in range(3)]
+    results = {}
+    for stage, extra in ((0, {}), (3, {"stage3_module_granularity_threshold": block})):
+        torch.manual_seed(0)
+        model = _Stack()
+        zero = {"stage": stage, "stage3_param_persistence_threshold": 0, **extra}
+        config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": zero, "gradient_clipping": 0.0}
+        engine, _, _, _ = zeroshard.initialize(
+            model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2), config=config
+        )
+        for x, y in data:
+            engine.backward(engine(x, y))
+            engine.step()
+        results[stage] = torch.cat([u.master.detach().reshape(-1) for u in engine.units])
+        if stage == 3:
+            names = {id(m): n for n, m in model.named_modules()}
+            gathered_by = {names[id(m)] for m in engine.gatherer._modules.values()}
+            assert {"blocks.0", "blocks.1", "blocks.2"} <= gathered_by
+            assert not any(n.startswith("blocks.0.") for n in gathered_by), gathered_by
+    assert torch.equal(results[0], results[3])

@@ -10,10 +10,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset
 
 from zeroshard.comm import Comm
 from zeroshard.config import ConfigWarning, ZeroshardConfig, load_config, resolve_config_source
+from zeroshard.data import ResumableDataLoader, build_loader
 from zeroshard.dist import init_distributed, local_rank, training_device
 from zeroshard.engine import ZeroshardEngine
 from zeroshard.grad_sync import Averaging, GradientReducer
@@ -150,6 +151,7 @@ def initialize(
         gatherer=gatherer,
     )
     loader = _build_dataloader(training_data, cfg, comm, collate_fn)
+    engine.training_dataloader = loader
     return engine, opt, loader, scheduler
 
 
@@ -232,16 +234,16 @@ def _build_scheduler(lr_scheduler: Any, cfg: ZeroshardConfig, opt: torch.optim.O
 
 def _build_dataloader(
     data: Dataset[Any] | None, cfg: ZeroshardConfig, comm: Comm, collate_fn: Callable[..., Any] | None
-) -> DataLoader[Any] | None:
+) -> ResumableDataLoader | None:
+    """DeepSpeed's loader (a DistributedSampler, the micro batch per rank), resumable from a checkpoint."""
     if data is None:
         return None
-    sampler: DistributedSampler[Any] = DistributedSampler(
-        data, num_replicas=comm.world_size, rank=comm.rank, shuffle=True
-    )
-    return DataLoader(
+    return build_loader(
         data,
-        batch_size=cfg.train_micro_batch_size_per_gpu,
-        sampler=sampler,
+        rank=comm.rank,
+        world_size=comm.world_size,
+        micro_batch_size=cfg.train_micro_batch_size_per_gpu,
         collate_fn=collate_fn,
         drop_last=cfg.dataloader_drop_last,
+        accumulation_steps=cfg.gradient_accumulation_steps,
     )

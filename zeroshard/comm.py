@@ -10,12 +10,22 @@ reduce-scatter followed by an all-gather), a reduce-scatter moves its full input
 full output (Ψ). So a stage 0–2 training step moves 2Ψ and a stage-3 step 3Ψ, where Ψ is the size of the
 model's trainable parameters in the communication dtype. At world size 1 nothing is sent and nothing is
 counted.
+
+[Note: communication wait]
+``CommStats.wait_s_by_op`` is the wall time spent inside ``Pending.wait()`` of those same model-state
+collectives: how long the caller was blocked on communication, not how long the transfer took. Traffic that
+overlaps compute (``overlap_comm``) and finishes before it is waited for costs no wait at all, which is the
+point of overlapping. On gloo (CPU) ``wait()`` returns when the collective is done. On NCCL it only makes
+the current CUDA stream wait and returns at once, so the host-side wait is close to zero and the transfer's
+cost shows up in the timers that synchronize the device (``wall_clock_breakdown``). The small control
+collectives (overflow flags, norms, ``agree``) are neither counted nor timed.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,37 +53,74 @@ def collective_timeout() -> datetime.timedelta:
 
 @dataclass
 class CommStats:
-    """Bytes moved, per kind of collective, since the last :meth:`reset`."""
+    """Bytes moved and seconds waited, per kind of collective, since the last :meth:`reset`.
+
+    See [Note: communication volume] for how bytes are counted and [Note: communication wait] for what the
+    wait time measures.
+    """
 
     bytes_by_op: Counter[str] = field(default_factory=Counter)
     calls_by_op: Counter[str] = field(default_factory=Counter)
+    wait_s_by_op: dict[str, float] = field(default_factory=dict)
+    """Seconds spent blocked in ``Pending.wait()``, per kind of collective."""
 
     @property
     def total_bytes(self) -> int:
         return sum(self.bytes_by_op.values())
 
+    @property
+    def total_wait_s(self) -> float:
+        return sum(self.wait_s_by_op.values())
+
     def add(self, op: str, nbytes: int) -> None:
         self.bytes_by_op[op] += nbytes
         self.calls_by_op[op] += 1
 
+    def add_wait(self, op: str, seconds: float) -> None:
+        self.wait_s_by_op[op] = self.wait_s_by_op.get(op, 0.0) + seconds
+
     def reset(self) -> None:
         self.bytes_by_op.clear()
         self.calls_by_op.clear()
+        self.wait_s_by_op.clear()
 
 
 class Pending:
-    """A collective in flight; :meth:`wait` raises if it does not finish within the timeout."""
+    """A collective in flight; :meth:`wait` raises if it does not finish within the timeout.
 
-    def __init__(self, work: Any, what: str, rank: int, timeout: datetime.timedelta | None) -> None:
+    With ``stats``, the time :meth:`wait` blocks is added to ``stats`` under ``op`` (see
+    [Note: communication wait]).
+    """
+
+    def __init__(
+        self,
+        work: Any,
+        what: str,
+        rank: int,
+        timeout: datetime.timedelta | None,
+        *,
+        stats: CommStats | None = None,
+        op: str = "",
+    ) -> None:
         self._work = work
         self._what = what
         self._rank = rank
         self._timeout = timeout
+        self._stats = stats
+        self._op = op
 
     def wait(self) -> None:
         if self._work is None:
             return
         work, self._work = self._work, None
+        start = time.perf_counter()
+        try:
+            self._wait(work)
+        finally:
+            if self._stats is not None:
+                self._stats.add_wait(self._op, time.perf_counter() - start)
+
+    def _wait(self, work: Any) -> None:
         try:
             if self._timeout is None:
                 work.wait()  # bounded by the process group's own timeout
@@ -133,7 +180,7 @@ class Comm:
     def _launch(self, what: str, kind: str, nbytes: int, fn: Any, *args: Any, **kwargs: Any) -> Pending:
         self.stats.add(kind, nbytes)
         work = fn(*args, group=self.group, async_op=True, **kwargs)
-        return Pending(work, what, self.rank, self.timeout)
+        return Pending(work, what, self.rank, self.timeout, stats=self.stats, op=kind)
 
     def all_reduce(
         self,

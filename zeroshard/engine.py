@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -23,6 +22,7 @@ from torch import nn
 
 from zeroshard.comm import Comm
 from zeroshard.config import ZeroshardConfig
+from zeroshard.data import ResumableDataLoader
 from zeroshard.flat_param import FlatUnit
 from zeroshard.grad_sync import GradientReducer
 from zeroshard.hooks import ParameterGatherer
@@ -32,7 +32,7 @@ from zeroshard.offload.setup import Offload
 from zeroshard.optimizer import ShardedStep
 from zeroshard.precision import cast_floating
 from zeroshard.stages import StagePlan
-from zeroshard.telemetry import StepRecord, Telemetry
+from zeroshard.telemetry import Telemetry
 
 logger = logging.getLogger(__name__)
 
@@ -77,10 +77,9 @@ class ZeroshardEngine(nn.Module):
         self.loss_scaler = loss_scaler
         self.gatherer = gatherer
         self.offload = offload or Offload()
-        self.telemetry = Telemetry.from_config(config, rank=comm.rank, world_size=comm.world_size)
-        self._window_losses: list[float] = []
-        self._last_step_end = time.perf_counter()
-        self._comm_at_last_step = comm.stats.total_bytes
+        # The loader initialize(training_data=...) built, if any: checkpoints carry its position (data.py).
+        self.training_dataloader: ResumableDataLoader | None = None
+        self.telemetry = Telemetry.from_config(config, rank=comm.rank, world_size=comm.world_size, comm=comm)
         policy = self.units[0].policy if self.units else None
         # A step is skipped when any rank's gradients are not finite: always under fp16 loss scaling,
         # under bf16 when bf16.check_grad_overflow asks for it.
@@ -136,20 +135,17 @@ class ZeroshardEngine(nn.Module):
             raise ValueError(
                 "backward() got a loss that does not require grad: was it computed under no_grad()?"
             )
+        self.telemetry.add_loss(loss)  # the micro-batch's loss as the script computed it
         if scale_wrt_gas and self.config.gradient_accumulation_steps > 1:
             loss = loss / self.config.gradient_accumulation_steps
         if self.loss_scaler is not None:
             loss = loss * self.loss_scaler.scale
-        if self.telemetry.reports:
-            self._window_losses.append(
-                float(loss.detach()) / (self.loss_scaler.scale if self.loss_scaler else 1.0)
-            )
         # Reduce on the boundary micro-step (every micro-step when the stage shards gradients).
         self.reducer.begin_backward(reduce=self.is_gradient_accumulation_boundary() and not self._no_sync)
-        with self.telemetry.timer("backward"):
+        # "reduce" is the time blocked on gradient reductions, in the hooks as well as in finish_backward.
+        with self.telemetry.timer("backward"), self.telemetry.reduce_timer():
             loss.backward(retain_graph=retain_graph)
-            with self.telemetry.timer("reduce"):
-                self.reducer.finish_backward()
+            self.reducer.finish_backward()
         if self.gatherer is not None:
             self.gatherer.end_backward()
         self._backward_since_step = True
@@ -163,9 +159,10 @@ class ZeroshardEngine(nn.Module):
         if not self._backward_since_step:
             raise RuntimeError("step() was called before backward(): call engine.backward(loss) first")
         if self.is_gradient_accumulation_boundary():
+            lr = self.get_lr()  # the rate this step applies: the scheduler moves it inside the step
             with self.telemetry.timer("step"):
                 self._take_model_step(lr_kwargs)
-            self._report_step()
+            self._report_step(lr)
         self.micro_steps += 1
         self._backward_since_step = False
 
@@ -237,30 +234,19 @@ class ZeroshardEngine(nn.Module):
         self.global_steps += 1
         self.global_samples += self.config.train_batch_size
 
-    def _report_step(self) -> None:
-        """Hand this optimizer step's figures to the telemetry (rank 0 logs and writes the monitors)."""
-        now = time.perf_counter()
-        elapsed, self._last_step_end = now - self._last_step_end, now
-        comm_bytes = self.comm.stats.total_bytes - self._comm_at_last_step
-        self._comm_at_last_step = self.comm.stats.total_bytes
-        losses, self._window_losses = self._window_losses, []
-        if not self.telemetry.reports:
-            return
-        gas = self.config.gradient_accumulation_steps
-        self.telemetry.on_step(
-            StepRecord(
-                global_step=self.global_steps,
-                global_samples=self.global_samples,
-                loss=sum(losses) * gas / len(losses) if losses else None,  # backward saw loss / gas
-                lr=self.get_lr(),
-                loss_scale=self.loss_scaler.scale if self.loss_scaler is not None else None,
-                grad_norm=self._grad_norm,
-                skipped_steps=self.skipped_steps,
-                step_time_s=elapsed,
-                samples_per_s=self.config.train_batch_size / elapsed if elapsed > 0 else 0.0,
-                comm_bytes=comm_bytes,
-                memory_bytes=self.memory_breakdown().total,
-            )
+    def _report_step(self, lr: list[float]) -> None:
+        """Hand this optimizer step's figures to the telemetry (rank 0 logs and writes the monitors).
+
+        Collective at some steps: every rank reaches it at every boundary (see Telemetry.end_step).
+        """
+        self.telemetry.end_step(
+            global_step=self.global_steps,
+            global_samples=self.global_samples,
+            lr=lr,
+            loss_scale=self.loss_scaler.scale if self.loss_scaler is not None else None,
+            grad_norm=self._grad_norm,
+            skipped_steps=self.skipped_steps,
+            memory_bytes=lambda: self.memory_breakdown().total,
         )
 
     def destroy(self) -> None:

@@ -5,7 +5,9 @@
 * Stage 3 (DeepSpeed's default granularity): one unit per module that directly owns trainable parameters,
   in module order. A module whose parameters total at most ``stage3_param_persistence_threshold`` elements
   keeps them full on every rank (consecutive such modules share a stage-2-like unit). A leaf module
-  (``set_z3_leaf_modules`` or ``zero_optimization.leaf_module``) owns its whole subtree as one unit.
+  (``set_z3_leaf_modules``, ``zero_optimization.leaf_module``, or a module finer than
+  ``stage3_module_granularity_threshold``, see :func:`granularity_leaves`) owns its whole subtree as one
+  unit.
 
 A parameter shared by several modules (tied weights) belongs to the first module that owns it; every
 module that owns it directly gathers that unit before computing.
@@ -13,10 +15,13 @@ module that owns it directly gathers that unit before computing.
 
 from __future__ import annotations
 
+import logging
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.modules.container as containers
 from torch import nn
 
 from zeroshard.comm import Comm
@@ -27,7 +32,12 @@ from zeroshard.precision import DtypePolicy
 from zeroshard.stages import STAGES, StagePlan
 from zeroshard.zero import full_numel, materialize
 
+logger = logging.getLogger(__name__)
+
 Named = list[tuple[str, nn.Parameter]]
+
+# DeepSpeed never makes a module of more parameters than this a leaf by granularity (its Z3_MAX_LEAF_SIZE).
+MAX_LEAF_ELEMENTS = 10**9
 
 
 @dataclass(frozen=True)
@@ -116,6 +126,59 @@ def _bucket_units(units: list[FlatUnit], named: Named, limit: int, plan: StagePl
         _make(units, current, plan, ctx)
 
 
+def granularity_leaves(model: nn.Module, threshold: int, *, warn: bool = True) -> set[int]:
+    """The modules (by ``id``) that ``stage3_module_granularity_threshold`` makes leaves: DeepSpeed's rule.
+
+    A module's granularity is its parameter count (its subtree's, shared parameters counted once per use)
+    over its number of layers (itself plus the parameterised modules below it); modules without children,
+    without parameters, containers (``ModuleList``, ``Sequential``, ...) and modules of more than
+    ``MAX_LEAF_ELEMENTS`` parameters have none. From the root down, the first module at or below the
+    threshold on each path becomes a leaf: fewer, larger gathers for models of many small layers.
+    """
+    if threshold <= 0:
+        return set()
+    granularity: dict[int, int] = {}
+
+    def walk(module: nn.Module) -> tuple[int, int]:  # (layers, parameters) of the subtree
+        if next(module.parameters(), None) is None:
+            return 0, 0
+        params = sum(full_numel(p) for p in module.parameters(recurse=False))
+        children = list(module.children())
+        if not children:
+            return 1, params
+        layers = 0
+        for child in children:
+            child_layers, child_params = walk(child)
+            layers, params = layers + child_layers, params + child_params
+        if type(module).__name__ in containers.__all__:
+            return layers, params
+        layers += 1
+        if params <= MAX_LEAF_ELEMENTS:
+            granularity[id(module)] = params // layers
+        return layers, params
+
+    walk(model)
+    leaves: set[int] = set()
+
+    def mark(module: nn.Module) -> None:
+        if granularity.get(id(module), sys.maxsize) <= threshold:
+            leaves.add(id(module))
+            return
+        for child in module.children():
+            mark(child)
+
+    mark(model)
+    if not leaves and warn:
+        finest = min(granularity.values(), default=None)
+        logger.warning(
+            "zero_optimization.stage3_module_granularity_threshold %d makes no module a leaf: the finest "
+            "module's granularity is %s; set the threshold at or above it",
+            threshold,
+            finest if finest is not None else "undefined (no module with children and parameters)",
+        )
+    return leaves
+
+
 def _is_leaf(name: str, module: nn.Module, model: nn.Module, cfg: ZeroshardConfig) -> bool:
     spec = cfg.zero_optimization.leaf_module
     cls = type(module)
@@ -135,10 +198,11 @@ def _stage3_units(model: nn.Module, cfg: ZeroshardConfig, plan: StagePlan, ctx: 
     owners: list[tuple[nn.Module, Named]] = []
     uses: list[tuple[nn.Module, list[nn.Parameter]]] = []
     leaves: list[str] = []
+    by_granularity = granularity_leaves(model, zero.module_granularity_threshold, warn=ctx.comm.rank == 0)
     for name, module in model.named_modules():
-        if any(name.startswith(leaf + ".") for leaf in leaves):
-            continue
-        leaf = _is_leaf(name, module, model, cfg)
+        if any(leaf == "" or name.startswith(leaf + ".") for leaf in leaves):
+            continue  # inside a leaf (the root itself may be one)
+        leaf = id(module) in by_granularity or _is_leaf(name, module, model, cfg)
         if leaf:
             leaves.append(name)
         named = [(n, p) for n, p in module.named_parameters(prefix=name, recurse=leaf) if p.requires_grad]

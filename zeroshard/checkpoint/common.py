@@ -11,6 +11,7 @@ from torch import nn
 
 from zeroshard.checkpoint.errors import CheckpointError
 from zeroshard.comm import Comm
+from zeroshard.data import ResumableDataLoader
 from zeroshard.flat_param import FlatUnit, OptimizerSlice
 from zeroshard.layout import Piece
 
@@ -109,6 +110,24 @@ def param_shape(unit: FlatUnit, index: int) -> tuple[int, ...]:
     """The true shape of a unit's parameter, also while it is an empty placeholder (stage 3 between uses)."""
     shapes = getattr(unit, "shapes", None)
     return tuple(shapes[index] if shapes is not None else unit.params[index].shape)
+
+
+def data_loader(engine: ZeroshardEngine) -> ResumableDataLoader | None:
+    """The loader ``initialize(training_data=...)`` built, whose position checkpoints carry; None without
+    one (a loader the user builds is theirs to checkpoint, in ``client_state``)."""
+    loader = getattr(engine, "training_dataloader", None)
+    return loader if isinstance(loader, ResumableDataLoader) else None
+
+
+def data_position(engine: ZeroshardEngine) -> dict[str, Any] | None:
+    """The loader's position at the start of the current accumulation window: where a resumed run
+    restarts (see save.py [Note: saving inside an accumulation window])."""
+    loader = data_loader(engine)
+    if loader is None:
+        return None
+    return loader.state_dict(
+        rewind=engine.micro_steps - engine.global_steps * engine.gradient_accumulation_steps()
+    )
 
 
 def master_view(unit: FlatUnit, piece: Piece) -> torch.Tensor:

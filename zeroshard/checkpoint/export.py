@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import json
-import logging
 import os
 import re
 from collections.abc import Callable, Iterator, Sequence
@@ -31,8 +30,6 @@ from zeroshard.flat_param import FlatUnit
 
 if TYPE_CHECKING:
     from zeroshard.engine import ZeroshardEngine
-
-logger = logging.getLogger(__name__)
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -82,21 +79,23 @@ def write_consolidated(
     out_dir: str,
     specs: Sequence[TensorSpec],
     tensors: Iterator[torch.Tensor],
-    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    max_shard_size: int | str | None = DEFAULT_MAX_SHARD_SIZE,
     *,
     writer: bool = True,
+    single_name: str = WEIGHTS_NAME,
 ) -> list[str]:
-    """Write ``specs`` (values from ``tensors``, in order) as ``model.safetensors`` or as numbered files plus
-    ``model.safetensors.index.json``. Each file appears atomically (written under a temporary name).
+    """Write ``specs`` (values from ``tensors``, in order) as ``single_name`` or, beyond ``max_shard_size``
+    (None: no limit), as numbered files plus ``model.safetensors.index.json``. Each file appears
+    atomically (written under a temporary name).
 
     ``writer=False`` consumes ``tensors`` without writing (the ranks that take part in the gathers only).
 
     Returns:
         The file names written.
     """
-    groups = split_files(specs, parse_size(max_shard_size))
+    groups = split_files(specs, parse_size(max_shard_size)) if max_shard_size is not None else [list(specs)]
     names = (
-        [WEIGHTS_NAME]
+        [single_name]
         if len(groups) == 1
         else [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
     )
@@ -210,38 +209,30 @@ def save_16bit_model(
 ) -> bool:
     """Write the module's weights in their compute dtype to ``save_dir/save_filename`` (safetensors).
 
-    At stage 3 this honours ``zero_optimization.gather_16bit_weights_on_model_save`` as DeepSpeed does,
-    except that when it is false nothing is written (never empty placeholder tensors) and False is returned.
+    At every stage, stage 3 included, the file holds the full consolidated weights, streamed as
+    :func:`save_pretrained` streams them (see [Note: streaming export]): at stage 3 each parameter is
+    gathered from the master shards in turn. ``zero_optimization.stage3_gather_16bit_weights_on_model_save``
+    is accepted and has no effect: DeepSpeed needs it to write anything but empty placeholders at
+    stage 3, zeroshard always writes the weights.
 
     Collective: call on all ranks.
+
+    Returns:
+        True (DeepSpeed's return value: the weights were written).
     """
     if not save_filename.endswith(".safetensors"):
         raise ValueError(
             f"save_filename={save_filename!r}: zeroshard writes safetensors (never pickles, so not "
             "DeepSpeed's pytorch_model.bin); use a name ending in .safetensors, e.g. model.safetensors"
         )
-    if engine.plan.stage == 3 and not engine.config.zero_optimization.gather_16bit_weights_on_model_save:
-        if engine.comm.rank == 0:
-            logger.warning(
-                "save_16bit_model: nothing saved, as "
-                "zero_optimization.stage3_gather_16bit_weights_on_model_save is false; set it to true, "
-                "or convert a checkpoint offline with `zeroshard convert`"
-            )
-        return False
     specs, tensors = live_state(engine, None, exclude_frozen_parameters)
     out = os.fspath(save_dir)
-
-    def write() -> None:
-        if engine.comm.rank == 0:
-            os.makedirs(out, exist_ok=True)
-            tmp = os.path.join(out, f".{save_filename}.tmp")
-            write_tensors(tmp, specs, tensors, {"format": "pt", "producer": FORMAT})
-            os.replace(tmp, os.path.join(out, save_filename))
-        else:
-            for _ in tensors:
-                pass
-
-    collectively(engine.comm, f"save_16bit_model to {out}", write)
+    rank0 = engine.comm.rank == 0
+    collectively(
+        engine.comm,
+        f"save_16bit_model to {out}",
+        lambda: write_consolidated(out, specs, tensors, None, writer=rank0, single_name=save_filename),
+    )
     return True
 
 

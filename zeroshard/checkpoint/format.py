@@ -13,7 +13,8 @@ A checkpoint is a directory ``<save_dir>/<tag>/`` holding
 * ``metadata.json``: everything else, and the index of the tensors above: parameter names, shapes, dtypes
   and aliases (tied weights); per file its byte size, sha256 and the ``(name, start, end)`` ranges it holds
   with their optimizer-state keys and param group; the world size, stage and unit layout it was saved
-  with; the config; counters; scheduler, loss scaler, RNG and client state as JSON.
+  with; the config; counters; the data loader's position (epoch, samples consumed, sampler seed and
+  shuffle; see zeroshard/data.py); scheduler, loss scaler, RNG and client state as JSON.
 
 Nothing is pickled. Because tensors are keyed by parameter name and element range, loading at another
 world size or stage is arithmetic: each rank reads, from the files whose ranges overlap its new pieces,

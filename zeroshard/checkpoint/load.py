@@ -19,6 +19,7 @@ import torch
 from zeroshard.checkpoint import rng
 from zeroshard.checkpoint.common import (
     collectively,
+    data_loader,
     group_index,
     master_view,
     module_names,
@@ -59,7 +60,9 @@ def load_checkpoint(
     """Load a checkpoint written by :func:`save_checkpoint`, DeepSpeed's semantics.
 
     ``tag=None`` loads the checkpoint ``load_dir/latest`` names; without ``latest`` it warns and returns
-    ``(None, None)``. RNG states are restored when the world size is the one saved with. See
+    ``(None, None)``. RNG states are restored when the world size is the one saved with; the data loader
+    ``initialize(training_data=...)`` returned continues from the saved position, at any world size (see
+    zeroshard/data.py [Note: data position]). See
     [Note: saving inside an accumulation window] for what happens to partial gradients.
 
     Collective: call on all ranks of the engine's group.
@@ -257,6 +260,7 @@ def _load_training_state(engine: ZeroshardEngine, reader: CheckpointReader, load
     # The start of the accumulation window the checkpoint was saved in (see [Note: saving inside an
     # accumulation window]).
     engine.micro_steps = engine.global_steps * engine.config.gradient_accumulation_steps
+    _load_data_position(engine, reader)
     if meta["world_size"] == engine.comm.world_size:
         rng.set_rng_state(reader.decode(meta["rng"][engine.comm.rank]))
     elif engine.comm.rank == 0:
@@ -265,3 +269,20 @@ def _load_training_state(engine: ZeroshardEngine, reader: CheckpointReader, load
             meta["world_size"],
             engine.comm.world_size,
         )
+
+
+def _load_data_position(engine: ZeroshardEngine, reader: CheckpointReader) -> None:
+    """Put the engine's data loader where the saved run's was (zeroshard/data.py [Note: data position])."""
+    loader = data_loader(engine)
+    saved = reader.meta.get("data")
+    if loader is None:
+        return
+    if saved is None:
+        if engine.comm.rank == 0:
+            logger.warning(
+                "%s holds no data loader position (it was saved without initialize(training_data=...)): "
+                "the data loader stays where it is",
+                reader.path,
+            )
+        return
+    loader.load_state_dict(saved)

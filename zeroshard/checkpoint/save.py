@@ -18,7 +18,8 @@ leaves ``latest`` naming either the previous checkpoint or the new complete one.
 Like DeepSpeed, a checkpoint holds model and optimizer state, not the gradients accumulated by the
 micro-steps of an unfinished window. Loading restores the counters to the start of that window
 (``micro_steps = global_steps * gradient_accumulation_steps``) and drops any partial gradients, so a
-resumed run replays the window's micro-batches from its first.
+resumed run replays the window's micro-batches from its first. The data loader's position is recorded
+as it was at the window's start, for the same reason (zeroshard/data.py).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from zeroshard.checkpoint import rng
 from zeroshard.checkpoint.common import (
     Names,
     collectively,
+    data_position,
     group_index,
     master_view,
     module_names,
@@ -77,10 +79,12 @@ def save_checkpoint(
     save_latest: bool = True,
     exclude_frozen_parameters: bool = False,
 ) -> str:
-    """Save model, optimizer, scheduler, loss scaler, counters, RNG and client state to ``save_dir/tag``.
+    """Save model, optimizer, scheduler, loss scaler, counters, RNG, the position of the data loader
+    ``initialize(training_data=...)`` returned, and client state to ``save_dir/tag``.
 
     See [Note: checkpoint format] and [Note: atomic save]. ``client_state`` may hold JSON values and
-    tensors (nothing else: it is never pickled).
+    tensors (nothing else: it is never pickled); a script with its own data loader keeps its position
+    there.
 
     Collective: call on all ranks of the engine's group.
 
@@ -95,7 +99,9 @@ def save_checkpoint(
     collectively(comm, f"creating {tmp}", lambda: os.makedirs(tmp) if comm.rank == 0 else None)
     try:
         record = collectively(comm, f"writing checkpoint shards to {tmp}", lambda: _write_shard(engine, tmp))
-        gathered = comm.all_gather_object({"file": record, "rng": rng.get_rng_state()})
+        gathered = comm.all_gather_object(
+            {"file": record, "rng": rng.get_rng_state(), "data": data_position(engine)}
+        )
 
         def finish() -> None:
             if comm.rank == 0:
@@ -244,6 +250,7 @@ def _metadata(
             "train_batch_size": engine.config.train_batch_size,
         },
         "rng": [encode(g["rng"], f"rng/{rank}", sink) for rank, g in enumerate(gathered)],
+        "data": _data_meta(gathered),
         "client_state": encode(client_state or {}, "client_state", sink),
         "config": engine.config.to_dict(),
         "hf_config": _hf_config(engine.module),
@@ -297,6 +304,18 @@ def _state_meta(obj: Any, what: str, sink: dict[str, torch.Tensor]) -> Any:
         "class": f"{type(obj).__module__}.{type(obj).__qualname__}",
         "state": encode(obj.state_dict(), what, sink),
     }
+
+
+def _data_meta(gathered: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The data loader's position (see zeroshard/data.py [Note: data position]); ranks in lockstep agree."""
+    positions = [g["data"] for g in gathered]
+    if any(p != positions[0] for p in positions):
+        logger.warning(
+            "the ranks' data loaders are at different positions %s: saving rank 0's (a resumed run starts "
+            "every rank there)",
+            positions,
+        )
+    return positions[0]  # type: ignore[no-any-return]
 
 
 def _hf_config(module: torch.nn.Module) -> Any:

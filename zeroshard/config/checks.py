@@ -1,12 +1,32 @@
 """Rules that relate several settings, checked on the validated config.
 
 Errors mirror what DeepSpeed rejects (fp16 with bf16, partial offload below stage 3, ...); warnings
-point at settings DeepSpeed silently ignores.
+point at settings DeepSpeed silently ignores, and at DeepSpeed settings zeroshard does not implement
+(see [Note: settings without effect]).
+
+[Note: settings without effect]
+Some DeepSpeed keys ask for a behaviour zeroshard does not have. Each warns, naming the key, its value
+and what zeroshard does instead, but only when the value asks for something other than what zeroshard
+does (a default never warns):
+- `gradient_allreduce_op: "sum"`: zeroshard always averages gradients over the ranks;
+- `data_types.buffer_dtype`: zeroshard casts floating-point buffers to the compute dtype under fp16/bf16
+  and leaves them as they are in fp32 (`fp32` there does not warn);
+- `sparse_gradients: true`: gradients are reduced dense;
+- `fp16.fp16_master_weights_and_grads`, `bf16.bf16_master_weights_and_grads`,
+  `bf16.bf16_optimizer_states: true`: master weights, the gradients they are stepped with and the
+  optimizer state stay fp32;
+- `memory_breakdown: true`: no allocator log; the `steps_per_print` line and
+  `engine.memory_breakdown()` report this rank's bytes instead.
+`data_types.param_dtype` is honoured when it names the precision mode's dtype and an error otherwise
+(DeepSpeed 0.19.8 rejects the mismatch too). `bf16.immediate_grad_update` never warns: zeroshard moves
+each gradient out of `param.grad` as soon as autograd produces it, which is what `true` asks for, and
+`false` (the default) only delays DeepSpeed's fp32 accumulation within a backward, without changing a
+value.
 """
 
 from __future__ import annotations
 
-from zeroshard.config.errors import Problems
+from zeroshard.config.errors import Problems, show
 from zeroshard.config.schema import ZeroshardConfig
 
 __all__ = ["check_config"]
@@ -76,11 +96,66 @@ def _allreduce_op(cfg: ZeroshardConfig, problems: Problems) -> None:
         problems.add('gradient_allreduce_op: "sum" is not allowed with compile.deepcompile')
 
 
+def _compute_dtype(cfg: ZeroshardConfig) -> str:
+    return "fp16" if cfg.fp16.enabled else "bf16" if cfg.bf16.enabled else "fp32"
+
+
+def _data_types(cfg: ZeroshardConfig, problems: Problems, notes: list[str]) -> None:
+    compute = _compute_dtype(cfg)
+    param_dtype, buffer_dtype = cfg.data_types.param_dtype, cfg.data_types.buffer_dtype
+    if param_dtype is not None and param_dtype != compute:
+        switch = {"fp16": "fp16.enabled", "bf16": "bf16.enabled"}.get(param_dtype)
+        fix = f"set {switch}: true" if switch else "disable fp16 and bf16"
+        problems.add(
+            f"data_types.param_dtype: {show(param_dtype)} is not allowed with {compute} training; expected "
+            f"{show(compute)} or no data_types.param_dtype, or {fix} (DeepSpeed 0.19.8 rejects this too)"
+        )
+    if buffer_dtype is not None and buffer_dtype != compute:
+        instead = (
+            "leaves buffers in the dtype the model has them in (fp32 training)"
+            if compute == "fp32"
+            else f"casts floating-point buffers to the compute dtype, {compute}"
+        )
+        notes.append(f"data_types.buffer_dtype: {show(buffer_dtype)} has no effect: zeroshard {instead}")
+
+
+def _without_effect(cfg: ZeroshardConfig, notes: list[str]) -> None:
+    """Warnings for settings zeroshard does not implement (see [Note: settings without effect])."""
+    if cfg.gradient_allreduce_op == "sum":
+        notes.append(
+            'gradient_allreduce_op: "sum" has no effect: zeroshard always averages gradients over the '
+            'data-parallel ranks, as "mean" (the default) does'
+        )
+    if cfg.sparse_gradients:
+        notes.append(
+            "sparse_gradients: true has no effect: zeroshard reduces every gradient as a dense tensor"
+        )
+    fp32_state = (
+        ("fp16.fp16_master_weights_and_grads", cfg.fp16.fp16_master_weights_and_grads),
+        ("bf16.bf16_master_weights_and_grads", cfg.bf16.bf16_master_weights_and_grads),
+        ("bf16.bf16_optimizer_states", cfg.bf16.bf16_optimizer_states),
+    )
+    for key, value in fp32_state:
+        if value:
+            notes.append(
+                f"{key}: true has no effect: zeroshard keeps the master weights, the gradients they are "
+                f"stepped with and the optimizer state in fp32"
+            )
+    if cfg.memory_breakdown:
+        notes.append(
+            "memory_breakdown: true has no effect: zeroshard does not log allocator memory; the "
+            "steps_per_print line and engine.memory_breakdown() report this rank's parameter, gradient, "
+            "optimizer-state and buffer bytes"
+        )
+
+
 def check_config(cfg: ZeroshardConfig, problems: Problems, notes: list[str]) -> None:
     """Records cross-setting errors in `problems` and warnings about ignored settings in `notes`."""
     _precision(cfg, problems)
     _offload(cfg, problems, notes)
     _allreduce_op(cfg, problems)
+    _data_types(cfg, problems, notes)
+    _without_effect(cfg, notes)
     if cfg.optimizer is not None:
         max_norm = cfg.optimizer.params.get("max_grad_norm")
         if isinstance(max_norm, int | float) and max_norm > 0:

@@ -54,7 +54,6 @@ _ZERO_INTERNALS = (
     "legacy_stage1",
     "elastic_checkpoint",
     "use_multi_rank_bucket_allreduce",
-    "module_granularity_threshold",
     "use_all_reduce_for_fetch_params",
     "allgather_sequential",
     "memory_efficient_linear",

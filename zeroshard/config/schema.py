@@ -81,7 +81,8 @@ class ZeroshardConfig(Block):
     wall_clock_breakdown: Bool = False
     """Time forward, backward and step separately."""
     memory_breakdown: Bool = False
-    """Log memory use."""
+    """Log allocator memory during the step (no effect in zeroshard, which warns when true; its log line
+    and `engine.memory_breakdown()` report this rank's bytes)."""
     dataloader_drop_last: Bool = False
     """Drop the last incomplete batch in the engine's data loader."""
     gradient_clipping: Annotated[Float, Field(ge=0.0)] = 1.0
@@ -91,13 +92,14 @@ class ZeroshardConfig(Block):
     gradient_predivide_factor: Annotated[Float, Field(gt=0.0)] = 1.0
     """Factor gradients are divided by before the reduction."""
     gradient_allreduce_op: Annotated[Literal["mean", "sum"], BeforeValidator(_lower)] = "mean"
-    """Whether reduced gradients are averaged or summed over ranks."""
+    """Whether reduced gradients are averaged or summed over ranks; zeroshard always averages and warns
+    on "sum"."""
     communication_data_type: DtypeName = None
     """Dtype of gradient communication ("fp32", "fp16", "bf16"); None follows the precision mode."""
     seq_parallel_communication_data_type: DtypeName = "fp32"
     """Sequence-parallel communication dtype (no effect in zeroshard)."""
     sparse_gradients: Bool = False
-    """Reduce embedding gradients as sparse tensors."""
+    """Reduce embedding gradients as sparse tensors (no effect in zeroshard, which warns when true)."""
     zero_allow_untested_optimizer: Bool = False
     """Allow a client optimizer DeepSpeed has not tested with ZeRO."""
     zero_force_ds_cpu_optimizer: Bool = True

@@ -76,7 +76,8 @@ class FP16Config(Block):
     min_loss_scale: Float = 1.0
     """Lower bound of the dynamic scale."""
     fp16_master_weights_and_grads: Bool = False
-    """Keep master weights and gradients in fp16 (DeepSpeed: with its CPU Adam only)."""
+    """Keep master weights and gradients in fp16 (DeepSpeed: with its CPU Adam only); zeroshard keeps
+    them in fp32 and warns when this is true."""
 
 
 class BF16Config(Block):
@@ -85,24 +86,29 @@ class BF16Config(Block):
     enabled: Bool = False
     """Train with bf16 compute."""
     immediate_grad_update: Bool = False
-    """Apply gradient updates immediately rather than delayed."""
+    """Accumulate each gradient into the fp32 buffer as soon as autograd produces it. zeroshard always
+    does (see [Note: settings without effect] in checks.py); `false` changes no value."""
     check_grad_overflow: Bool = True
     """Skip the step when gradients overflow (on by default in DeepSpeed 0.19.6)."""
     bf16_master_weights_and_grads: Bool = False
-    """Keep master weights and gradients in bf16 (stages 1-3)."""
+    """Keep master weights and gradients in bf16 (stages 1-3); zeroshard keeps them in fp32 and warns
+    when this is true."""
     bf16_optimizer_states: Bool = False
-    """Keep optimizer state in bf16 (needs bf16_master_weights_and_grads)."""
+    """Keep optimizer state in bf16 (needs bf16_master_weights_and_grads); zeroshard keeps it in fp32
+    and warns when this is true."""
 
 
 class DataTypesConfig(Block):
     """`data_types`: dtype overrides; None means "follow the precision mode"."""
 
     grad_accum_dtype: DtypeName = None
-    """Dtype gradients are accumulated in."""
+    """Dtype the kept gradients are accumulated in; None: fp32 with gradient accumulation, else the
+    compute dtype."""
     param_dtype: DtypeName = None
-    """Dtype parameters are cast to."""
+    """Dtype of the parameters; must be the precision mode's (fp16, bf16 or fp32) when given."""
     buffer_dtype: DtypeName = None
-    """Dtype buffers are cast to."""
+    """Dtype buffers are cast to. zeroshard casts floating-point buffers to the compute dtype under
+    fp16/bf16 and leaves them in fp32 training; it warns when this asks for another dtype."""
 
 
 class TorchAutocastConfig(Block):

@@ -166,9 +166,9 @@ class ZeroConfig(Block):
     max_reuse_distance: Annotated[Int, Field(ge=0)] = 1_000_000_000
     """Stage 3: keep a parameter if it is reused within this many elements."""
     gather_16bit_weights_on_model_save: Bool = False
-    """Stage 3: gather full 16-bit weights when saving the model."""
+    """Stage 3: accepted, no effect: save_16bit_model always streams full weights at stage 3."""
     module_granularity_threshold: Int = 0
-    """Stage 3: DeepSpeed's fine-grained module fetching threshold."""
+    """Stage 3: modules whose parameters per layer are at most this are gathered whole (leaves)."""
     use_all_reduce_for_fetch_params: Bool = False
     """Stage 3: DeepSpeed fetches parameters with all-reduce."""
     allgather_sequential: Bool = False

@@ -7,7 +7,9 @@
 * ``offload_param.device: nvme`` (stage 3, with the optimizer on NVMe): each unit's compute-dtype
   parameter shard lives in a second file between uses (``param_swap.ParamShardStore``). Without the
   optimizer on NVMe a gather reads the in-memory master and there is no separate shard to move: the block
-  is ignored with a warning. ``offload_param.device: cpu`` changes nothing on a CPU-only machine.
+  is ignored with a warning. ``offload_param.device: cpu`` beside a GPU, with the optimizer in CPU
+  memory: the gathers read each shard from the pinned CPU master (no parameter shard stays on the GPU);
+  on a CPU-only machine it changes nothing.
 
 Offload at a stage without the state to offload is ignored with a note, as DeepSpeed ignores it
 (``config/checks.py`` says so when the config is read).
@@ -147,10 +149,11 @@ def _notes(cfg: ZeroshardConfig, plan: StagePlan, compute_device: torch.device) 
     params = zero.offload_param
     if not plan.shard_parameters:
         return  # config/checks.py notes that offload_param needs stage 3
-    if params.device == "cpu" and compute_device.type != "cpu":
+    if params.device == "cpu" and compute_device.type != "cpu" and zero.offload_optimizer.device != "cpu":
         logger.warning(
-            "zero_optimization.offload_param.device 'cpu' is not implemented beside a GPU: parameter "
-            "shards stay in GPU memory (offload_optimizer still moves the master and optimizer state)"
+            "zero_optimization.offload_param.device 'cpu' needs offload_optimizer.device 'cpu' beside a "
+            "GPU: then each gather reads the parameter shard from the pinned CPU master; without it the "
+            "shards stay in GPU memory"
         )
     elif params.device == "nvme" and zero.offload_optimizer.device != "nvme":
         logger.warning(

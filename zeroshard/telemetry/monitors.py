@@ -24,6 +24,7 @@ __all__ = [
     "WandbMonitor",
     "build_monitors",
     "check_available",
+    "monitors_enabled",
 ]
 
 Event = tuple[str, float, int]
@@ -117,6 +118,11 @@ def check_available(config: ZeroshardConfig) -> None:
                 f"{key}.enabled is true in the config but the {module} package is not installed: "
                 f"pip install 'zeroshard[{extra}]' (or pip install {module}), or set {key}.enabled to false"
             )
+
+
+def monitors_enabled(config: ZeroshardConfig) -> bool:
+    """Whether the config enables any monitor (the same answer on every rank, unlike `build_monitors`)."""
+    return config.tensorboard.enabled or config.csv_monitor.enabled or config.wandb.enabled
 
 
 def build_monitors(config: ZeroshardConfig) -> list[Monitor]:

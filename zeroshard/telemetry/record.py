@@ -9,10 +9,11 @@ __all__ = ["StepRecord"]
 
 @dataclass(frozen=True, kw_only=True)
 class StepRecord:
-    """One optimizer step, as seen by this rank right after it.
+    """One optimizer step, as rank 0 reports it right after the step.
 
-    Values that are global (loss, grad norm, counters) are the same on every rank; `memory_bytes` and
-    `comm_bytes` are this rank's.
+    The grad norm and the counters are the same on every rank. The loss is the mean over all ranks at the
+    steps where the ranks share it (see `Telemetry.end_step`). `memory_bytes`, `comm_bytes` and
+    `comm_wait_s` are rank 0's; `rank_memory_bytes` has every rank's memory at `steps_per_print` steps.
     """
 
     global_step: int
@@ -20,9 +21,11 @@ class StepRecord:
     global_samples: int
     """Samples consumed over all ranks so far, this step included; the monitors' x-axis, as in DeepSpeed."""
     loss: float | None
-    """The step's training loss (mean over its micro-batches), or None when the engine did not see it."""
+    """The step's training loss, the mean over its micro-batches and over all ranks; None when it was not
+    gathered at this step."""
     lr: list[float]
-    """Learning rate of each parameter group after the step."""
+    """Learning rate of each parameter group that this step applied (DeepSpeed reports the rate after the
+    scheduler's step instead: the next step's)."""
     loss_scale: float | None
     """fp16 dynamic loss scale, None without fp16."""
     grad_norm: float | None
@@ -35,5 +38,10 @@ class StepRecord:
     """Throughput over all ranks: train_batch_size / step_time_s."""
     comm_bytes: int
     """Bytes this rank moved in model-state collectives during this step (see zeroshard/comm.py)."""
+    comm_wait_s: float
+    """Seconds this rank was blocked waiting for those collectives during this step, gradient reductions
+    in the backward hooks included ([Note: communication wait] in zeroshard/comm.py)."""
     memory_bytes: int
-    """This rank's memory: model states held (CPU) or peak allocated device memory (CUDA)."""
+    """This rank's model-state memory (`engine.memory_breakdown().total`)."""
+    rank_memory_bytes: list[int] | None = None
+    """Every rank's `memory_bytes`, in rank order, at `steps_per_print` steps; None at other steps."""

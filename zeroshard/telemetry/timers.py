@@ -10,12 +10,12 @@ from contextlib import AbstractContextManager
 
 import torch
 
-__all__ = ["TIMER_NAMES", "Timers"]
+__all__ = ["DISABLED", "TIMER_NAMES", "Timers"]
 
 TIMER_NAMES = ("forward", "backward", "reduce", "step")
 """The phases the engine times; any other name is accepted too."""
 
-_DISABLED: AbstractContextManager[None] = (
+DISABLED: AbstractContextManager[None] = (
     contextlib.nullcontext()
 )  # reusable and reentrant: one for every call
 
@@ -36,7 +36,7 @@ class Timers:
     def timer(self, name: str) -> AbstractContextManager[None]:
         """A context manager that adds the time spent inside it to `name`'s total."""
         if not self.enabled:
-            return _DISABLED
+            return DISABLED
         return self._timed(name)
 
     @contextlib.contextmanager
@@ -48,6 +48,12 @@ class Timers:
         finally:
             _synchronize()
             self._totals[name] += time.perf_counter() - start
+            self._counts[name] += 1
+
+    def add(self, name: str, seconds: float) -> None:
+        """Adds a duration measured elsewhere to `name` (one run); nothing when disabled."""
+        if self.enabled:
+            self._totals[name] += seconds
             self._counts[name] += 1
 
     def timings(self) -> dict[str, float]:
