@@ -36,6 +36,7 @@ help:
 	@echo "make demo-bf16     stage 2 in bf16 (examples/configs/zero2_bf16.json); demo-fp16 likewise"
 	@echo "make demo-nvme     stage 3, optimizer state and parameters offloaded to files in $(NVME_DIR)"
 	@echo "make test          pytest, with the 15 slowest tests' durations"
+	@echo "make test-cuda     tests/test_cuda.py on a machine with a CUDA GPU (the CUDA paths)"
 	@echo "make lint          ruff check + ruff format --check + mypy zeroshard"
 	@echo "make format        ruff format + ruff check --fix"
 	@echo "make install       create $(VENV) and install torch==$(TORCH_VERSION) and zeroshard[dev] into it"
@@ -73,10 +74,17 @@ demo-nvme: $(STAMP)
 		examples/train_gpt.py --deepspeed_config examples/configs/zero3_nvme.json --steps 20 $(DEMO_ARGS)
 
 # pytest exits 5 when it collects no test; that is reported loudly but is not a failure of the run.
+# The suite is a CPU suite: on a GPU machine the engine would move its models to the GPU, so the GPU is hidden
+# (tests/test_cuda.py skips); `make test-cuda` runs the CUDA paths on a GPU machine.
 test: $(STAMP)
-	@rc=0; $(PY) -m pytest --durations=15 $(PYTEST_ARGS) || rc=$$?; \
+	@rc=0; CUDA_VISIBLE_DEVICES= $(PY) -m pytest --durations=15 $(PYTEST_ARGS) || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests"; rc=0; fi; \
 	exit $$rc
+
+# On a machine with a CUDA GPU: NCCL, pinned CPU offload, 16-bit kernels (docs/benchmarks.md, "One GPU").
+.PHONY: test-cuda
+test-cuda: $(STAMP)
+	$(PY) -m pytest -s tests/test_cuda.py
 
 lint: $(STAMP)
 	$(PY) -m ruff check .
@@ -106,10 +114,15 @@ $(PEERS_STAMP):
 		"torch==$(TORCH_VERSION)" "deepspeed==0.19.*" psutil
 	@touch $@
 
-# Both model sizes, all systems, DeepSpeed included; rewrites bench/results/peers.json and docs/benchmarks.md.
+# Both model sizes, every system (DeepSpeed and the offload rows included; the offload rows at the small size
+# only, BENCH_ARGS=--large-offload adds them at the large one for ~5 minutes more); rewrites
+# bench/results/peers.json, docs/benchmarks.md's peers section and docs/bench_*.png. About 20 minutes with
+# nothing else running, about 40 at load 5 (it prints its estimate, an ETA after every run and its total);
+# the first run also JIT-builds DeepSpeed's CPU Adam (timed and reported; 49 s at load 3-4 here).
 bench: $(STAMP) $(PEERS_STAMP)
 	$(PY) bench/peers.py $(BENCH_ARGS)
 
-# Tiny model, 3 steps, torch peers + zeroshard, one process pair: a smoke test (~15 s), writes no docs.
+# Tiny model, 3 steps, torch peers + zeroshard (NVMe offload rows included), one process pair: a smoke test
+# (~10 s quiet, ~35 s under load), writes bench/results/peers_quick.json and no docs.
 bench-quick: $(STAMP)
 	$(PY) bench/peers.py --quick

@@ -1,5 +1,6 @@
 """bench/peers.py --quick end to end: every system runs, agrees with the single-process loss, and the JSON
-holds finite figures. No timing assertions: the machine is shared."""
+holds finite figures; bench/report.py's table gives a system that did not run a row saying why. No timing
+assertions: the machine is shared."""
 
 from __future__ import annotations
 
@@ -10,7 +11,16 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-EXPECTED = ["ddp", "torch-zero1", "fsdp2-noreshard", "fsdp2"] + [f"zeroshard-stage{s}" for s in range(4)]
+sys.path.insert(0, str(ROOT / "bench"))
+
+import report  # noqa: E402  (bench/ is not a package)
+
+EXPECTED = (
+    ["ddp", "torch-zero1", "fsdp2-noreshard", "fsdp2"]
+    + [f"zeroshard-stage{s}" for s in range(4)]
+    + ["zeroshard-stage2-nvme-opt", "zeroshard-stage3-nvme-opt-param"]
+)
+NVME = ["zeroshard-stage2-nvme-opt", "zeroshard-stage3-nvme-opt-param"]
 
 
 def test_peers_quick(tmp_path: Path) -> None:
@@ -19,11 +29,13 @@ def test_peers_quick(tmp_path: Path) -> None:
         [sys.executable, str(ROOT / "bench" / "peers.py"), "--quick", "--out", str(out)],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=150,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    summary = json.loads(out.read_text())["sizes"]["quick"]["summary"]
+    size = json.loads(out.read_text())["sizes"]["quick"]
+    summary = size["summary"]
     assert sorted(summary) == sorted(EXPECTED)
+    assert size["did_not_run"] == {}
     for name, row in summary.items():
         for key, value in row.items():
             if isinstance(value, (int, float)):
@@ -31,3 +43,36 @@ def test_peers_quick(tmp_path: Path) -> None:
         assert row["median_s"] > 0 and row["model_state_bytes"] > 0, name
         # Same model, data and optimizer as the single-process reference: fp32 reduction-order noise only.
         assert row["max_abs_loss_diff"] < 1e-4, (name, row["max_abs_loss_diff"])
+        # The NVMe rows really moved state to files, and keep less in memory than the same stage without.
+        if name in NVME:
+            stage = name[: len("zeroshard-stageN")]
+            assert row["offloaded_bytes"] > 0, name
+            assert row["model_state_bytes"] < summary[stage]["model_state_bytes"], name
+    assert report.table(size).count("\n") == len(summary) + 1
+
+
+def test_table_row_for_a_system_that_did_not_run() -> None:
+    ran = {
+        "stage": 0,
+        "median_s": 1.0,
+        "min_s": 0.9,
+        "max_s": 1.1,
+        "step_ratio_to_ddp": 1.0,
+        "step_ratio_to_ddp_per_round": [1.0],
+        "peak_rss_above_baseline_bytes": 2**20,
+        "peak_rss_ratio_to_ddp": 1.0,
+        "model_state_bytes": 2**20,
+        "model_state_ratio_to_ddp": 1.0,
+        "zero_formula_bytes": 2**20,
+        "comm_bytes_per_step": 2**20,
+        "comm_source": "formula",
+        "max_abs_loss_diff": 0.0,
+    }
+    why = "DeepSpeed's async_io op does not load here: no libaio | headers"
+    size = {"summary": {"ddp": ran, "deepspeed-stage3-nvme-opt": {"stage": 3, "did_not_run": why}}}
+    lines = report.table(size).splitlines()
+    assert len(lines) == 4
+    assert "did not run: DeepSpeed's async_io op does not load here: no libaio \\| headers" in lines[3]
+    # Every row has the header's number of cells (escaped pipes are not cell separators).
+    cells = [line.replace("\\|", "").count("|") for line in lines]
+    assert cells == [cells[0]] * 4, cells

@@ -363,7 +363,7 @@ def test_module_granularity_threshold_makes_fine_modules_leaves(caplog: Any) -> 
             model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2), config=config
         )
         for x, y in data:
-            engine.backward(engine(x, y))
+            engine.backward(engine(x.to(engine.device), y.to(engine.device)))
             engine.step()
         results[stage] = torch.cat([u.master.detach().reshape(-1) for u in engine.units])
         if stage == 3:
