@@ -139,18 +139,23 @@ def reachable_tensor_bytes(roots: list[Any]) -> int:
     return total
 
 
-def _entry(rank: int, init_file: str, worker: Callable[..., Any], spec: dict[str, Any], results: Any) -> None:
+def join_group(rank: int, init_file: str) -> None:
+    """Join the two-rank gloo group through the ``file://`` rendezvous ``init_file``, one thread per rank."""
     torch.set_num_threads(1)
     for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         os.environ.pop(key, None)  # join through the file rendezvous, not a launcher's env
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=WORLD_SIZE,
+        timeout=datetime.timedelta(seconds=300),
+    )
+
+
+def _entry(rank: int, init_file: str, worker: Callable[..., Any], spec: dict[str, Any], results: Any) -> None:
     try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"file://{init_file}",
-            rank=rank,
-            world_size=WORLD_SIZE,
-            timeout=datetime.timedelta(seconds=300),
-        )
+        join_group(rank, init_file)
         value = [worker(rank, s) for s in spec["runs"]]
         dist.barrier()  # leave together: a gloo group torn down under a peer can abort the exit
         results.put((rank, "ok", value))
@@ -210,17 +215,8 @@ def rank_main(worker: Callable[[int, dict[str, Any]], Any], rank: int, spec_file
 
     Collective: both ranks run it. The rendezvous file lies beside ``spec_file``.
     """
-    torch.set_num_threads(1)
-    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        os.environ.pop(key, None)  # join through the file rendezvous, not a launcher's env
     spec = json.loads(Path(spec_file).read_text())
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{Path(spec_file).parent / 'rendezvous'}",
-        rank=rank,
-        world_size=WORLD_SIZE,
-        timeout=datetime.timedelta(seconds=300),
-    )
+    join_group(rank, str(Path(spec_file).parent / "rendezvous"))
     try:
         value = [worker(rank, run) for run in spec["runs"]]
         dist.barrier()  # leave together: a gloo group torn down under a peer can abort the exit
