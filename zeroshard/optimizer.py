@@ -194,7 +194,9 @@ class ShardedStep:
 
     def any_nonfinite(self) -> bool:
         """Whether any rank's gradients hold inf or NaN (one small all-reduce)."""
-        local = torch.tensor([any(not bool(torch.isfinite(g).all()) for g in self._grads.values())])
+        # One flag per unit, combined where the gradients are: one host sync in all, not one per unit.
+        flags = [torch.isfinite(g).all() for g in self._grads.values()]
+        local = ~torch.stack(flags).all().reshape(1) if flags else torch.zeros(1, dtype=torch.bool)
         return bool(self.comm.any_true(local, what="overflow flag all_reduce")[0])
 
     def nonfinite_names(self) -> list[str]:
