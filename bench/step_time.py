@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/step_time.py            # full run (~13.4M-parameter GPT, several rounds)
     .venv/bin/python bench/step_time.py --quick    # tiny model, 3 steps, one round: a smoke test (< 30 s)
-    .venv/bin/python bench/step_time.py --profile  # also cProfile one stage-3 run on rank 0
+    .venv/bin/python bench/step_time.py --profile [VARIANT]  # also cProfile rank 0 of one run (stage3)
 
 Every (round, variant) runs in a fresh pair of spawned processes (``file://`` rendezvous, gloo,
 ``OMP_NUM_THREADS=1``), so peak RSS is that variant's alone. Variants are interleaved (stage0, stage1,
@@ -226,7 +226,13 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny model, 3 steps, one round (smoke test)")
     parser.add_argument("--rounds", type=int, help="interleaved rounds (default 3; 1 with --quick)")
     parser.add_argument("--steps", type=int, help="timed steps per run (default 10; 3 with --quick)")
-    parser.add_argument("--profile", action="store_true", help="cProfile rank 0 of the last stage-3 run")
+    parser.add_argument(
+        "--profile",
+        nargs="?",
+        const="stage3",
+        metavar="VARIANT",
+        help="cProfile rank 0 of the last run of VARIANT (default stage3)",
+    )
     parser.add_argument("--only", nargs="+", help="run only these variants (stage0 is always included)")
     parser.add_argument("--out", type=Path, help="JSON output (default bench/results/step_time[_quick].json)")
     args = parser.parse_args()
@@ -254,7 +260,7 @@ def main() -> None:
             "warmup": base["warmup"],
             "steps": base["steps"],
             "zero": all_variants[name],
-            "profile": args.profile and name == "stage3" and r == base["rounds"] - 1,
+            "profile": name == args.profile and r == base["rounds"] - 1,
         }
 
     def show(r: int, name: str, res: list[dict[str, Any]], wall: str) -> None:
@@ -299,13 +305,13 @@ def main() -> None:
         (
             x["profile_tottime"] + x["profile_cumulative"]
             for rnd in rounds
-            for x in rnd.get("stage3", [])
+            for x in rnd.get(args.profile or "", [])
             if "profile_tottime" in x
         ),
         None,
     )
     if profile:
-        print("\ncProfile of rank 0, stage 3, timed steps:\n" + profile)
+        print(f"\ncProfile of rank 0, {args.profile}, timed steps:\n" + profile)
 
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from zeroshard.buffers import BufferPool
 from zeroshard.comm import Comm
 from zeroshard.config import ConfigWarning, ZeroshardConfig, load_config, resolve_config_source
 from zeroshard.data import ResumableDataLoader, build_loader
@@ -88,7 +89,8 @@ def initialize(
     _broadcast_from_rank0(model, comm)
     offload = build_offload(cfg, plan, policy, model, comm)
     swapper = offload.optimizer_swapper
-    options = UnitOptions(offload.master_device, offload.on_unit)
+    pool = BufferPool()  # transient flat buffers reused across units and steps: see buffers.py
+    options = UnitOptions(offload.master_device, offload.on_unit, pool)
     built = build_units(model, cfg, plan, policy, comm, options)
     units = built.units
     if policy.mixed:
@@ -111,6 +113,7 @@ def initialize(
         plan,
         Averaging(comm.world_size, cfg.prescale_gradients, cfg.gradient_predivide_factor),
         overlap_comm=cfg.zero_optimization.overlap_comm,
+        pool=pool,
     )
     reducer.register_hooks()
     gatherer = None
@@ -125,6 +128,8 @@ def initialize(
         )
         gatherer.register(model)
         reducer.on_reduced = gatherer.on_reduced
+        gatherer.reductions_launched = lambda: reducer.launched
+        gatherer.launched_everywhere = reducer.launched_everywhere
     track(units, gatherer, comm)
     install_state_dict_hooks(model, units, gatherer)
     engine = ZeroshardEngine(

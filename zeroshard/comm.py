@@ -19,6 +19,20 @@ point of overlapping. On gloo (CPU) ``wait()`` returns when the collective is do
 the current CUDA stream wait and returns at once, so the host-side wait is close to zero and the transfer's
 cost shows up in the timers that synchronize the device (``wall_clock_breakdown``). The small control
 collectives (overflow flags, norms, ``agree``) are neither counted nor timed.
+
+[Note: direct exchange]
+On gloo, :meth:`Comm.all_gather` and :meth:`Comm.reduce_scatter` do not call torch's
+``all_gather_into_tensor`` / ``reduce_scatter_tensor``: each rank sends its shard (all-gather), or each
+peer's chunk of its bucket (reduce-scatter), straight to every other rank with ``isend``/``irecv``,
+receiving into the output itself; a reduce-scatter then sums the chunks in rank order, whichever rank sums.
+gloo's reduce-scatter copies its input in the caller and costs about an all-reduce of the whole buffer, and
+its all-gather of a transformer block's unit takes 2-3 times as long as the direct exchange on two cores
+(``bench/comm_ops.py``; docs/benchmarks.md). Each rank sends and receives (W-1)/W of the buffer, the
+ring algorithms' volume, and the bytes are counted as above. Messages are tagged with the exchange's
+position in this group's sequence and its size: ranks whose sequences diverged never pair messages of
+different sizes (gloo aborts the process on that), they wait and time out, and stage 3's gather check
+names the modules long before. NCCL groups keep NCCL's collectives. The direct exchange sends W-1 messages
+per rank per collective: right for data-parallel groups of a few to a few tens of CPU ranks.
 """
 
 from __future__ import annotations
@@ -26,7 +40,9 @@ from __future__ import annotations
 import datetime
 import os
 import time
+import zlib
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -88,6 +104,8 @@ class CommStats:
 class Pending:
     """A collective in flight; :meth:`wait` raises if it does not finish within the timeout.
 
+    ``work`` is one ``torch.distributed`` work handle or a list of them (a point-to-point exchange, see
+    [Note: direct exchange]); ``then`` runs once all of them are done (e.g. summing received chunks).
     With ``stats``, the time :meth:`wait` blocks is added to ``stats`` under ``op`` (see
     [Note: communication wait]).
     """
@@ -101,6 +119,7 @@ class Pending:
         *,
         stats: CommStats | None = None,
         op: str = "",
+        then: Callable[[], None] | None = None,
     ) -> None:
         self._work = work
         self._what = what
@@ -108,6 +127,7 @@ class Pending:
         self._timeout = timeout
         self._stats = stats
         self._op = op
+        self._then = then
 
     def wait(self) -> None:
         if self._work is None:
@@ -115,17 +135,22 @@ class Pending:
         work, self._work = self._work, None
         start = time.perf_counter()
         try:
-            self._wait(work)
+            self._wait(work if isinstance(work, list) else [work])
         finally:
             if self._stats is not None:
                 self._stats.add_wait(self._op, time.perf_counter() - start)
+        if self._then is not None:
+            then, self._then = self._then, None
+            then()
 
-    def _wait(self, work: Any) -> None:
+    def _wait(self, works: list[Any]) -> None:
+        deadline = None if self._timeout is None else time.monotonic() + self._timeout.total_seconds()
         try:
-            if self._timeout is None:
-                work.wait()  # bounded by the process group's own timeout
-            else:
-                work.wait(timeout=self._timeout)
+            for work in works:
+                if deadline is None:
+                    work.wait()  # bounded by the process group's own timeout
+                else:
+                    work.wait(timeout=datetime.timedelta(seconds=max(0.001, deadline - time.monotonic())))
         except RuntimeError as err:
             limit = "the process group's timeout" if self._timeout is None else f"{self._timeout}"
             raise RuntimeError(
@@ -135,6 +160,18 @@ class Pending:
 
 
 _DONE = Pending(None, "", 0, None)
+
+
+class Agreement:
+    """A launched :meth:`Comm.agree_async`: every rank's list of ints once :meth:`result` returns."""
+
+    def __init__(self, pending: Pending, rows: torch.Tensor) -> None:
+        self._pending = pending
+        self._rows = rows
+
+    def result(self) -> list[list[int]]:
+        self._pending.wait()
+        return self._rows.tolist()
 
 
 class Comm:
@@ -160,6 +197,9 @@ class Comm:
         # Where this group's tensors must be: NCCL moves CUDA tensors only (the current device, which
         # init_distributed set from LOCAL_RANK); gloo moves CPU tensors.
         self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        # gloo: all-gathers and reduce-scatters as point-to-point exchanges, see [Note: direct exchange].
+        self.direct = not nccl and self.world_size > 1
+        self._exchanges = 0  # exchanges issued on this group: the same count on every rank
 
     def new_channel(self) -> Comm:
         """A second group over the same ranks, sharing this one's byte counts.
@@ -206,6 +246,8 @@ class Comm:
             output.copy_(full)
             return _DONE
         nbytes = full.numel() * full.element_size()
+        if self.direct:
+            return self._exchange_reduce_scatter(output, full, what, nbytes)
         fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         return self._launch(what, "reduce_scatter", nbytes, fn, output, full)
 
@@ -219,8 +261,58 @@ class Comm:
                 full.copy_(shard)
             return _DONE
         nbytes = full.numel() * full.element_size()
+        if self.direct:
+            return self._exchange_gather(full, shard, what, nbytes)
         fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         return self._launch(what, "all_gather", nbytes, fn, full, shard)
+
+    # -- [Note: direct exchange] ---------------------------------------------------------------------
+    def _exchange_gather(self, full: torch.Tensor, shard: torch.Tensor, what: str, nbytes: int) -> Pending:
+        n, rank = shard.numel(), self.rank
+        own = full[rank * n : (rank + 1) * n]
+        if own.data_ptr() != shard.data_ptr():
+            own.copy_(shard)
+        tag = self._exchange_tag(n, shard.dtype)
+        works = []
+        for k in range(1, self.world_size):
+            dst, src = (rank + k) % self.world_size, (rank - k) % self.world_size
+            works.append(dist.isend(shard, group=self.group, group_dst=dst, tag=tag))
+            works.append(dist.irecv(full[src * n : (src + 1) * n], group=self.group, group_src=src, tag=tag))
+        self.stats.add("all_gather", nbytes)
+        return Pending(works, what, rank, self.timeout, stats=self.stats, op="all_gather")
+
+    def _exchange_reduce_scatter(
+        self, output: torch.Tensor, full: torch.Tensor, what: str, nbytes: int
+    ) -> Pending:
+        n, rank, world = output.numel(), self.rank, self.world_size
+        # Chunks are summed in rank order, whichever rank sums them. With two ranks the peer's chunk lands
+        # in ``output`` itself (a + b == b + a); with more, every peer's chunk in a buffer of its own.
+        inbox = [output] if world == 2 else list(torch.empty((world - 1, n), dtype=output.dtype))
+        tag = self._exchange_tag(n, output.dtype)
+        works = []
+        chunks: dict[int, torch.Tensor] = {rank: full[rank * n : (rank + 1) * n]}
+        for k in range(1, world):
+            dst, src = (rank + k) % world, (rank - k) % world
+            chunks[src] = inbox[k - 1]
+            works.append(dist.isend(full[dst * n : (dst + 1) * n], group=self.group, group_dst=dst, tag=tag))
+            works.append(dist.irecv(inbox[k - 1], group=self.group, group_src=src, tag=tag))
+
+        def total() -> None:
+            if world == 2:
+                output.add_(chunks[rank])
+                return
+            torch.add(chunks[0], chunks[1], out=output)
+            for r in range(2, world):
+                output.add_(chunks[r])
+
+        self.stats.add("reduce_scatter", nbytes)
+        return Pending(works, what, rank, self.timeout, stats=self.stats, op="reduce_scatter", then=total)
+
+    def _exchange_tag(self, numel: int, dtype: torch.dtype) -> int:
+        """The next exchange's message tag: from its position in this group's sequence and its size, so that
+        ranks whose sequences diverged never pair up messages of different sizes (they wait, and time out)."""
+        self._exchanges += 1
+        return zlib.crc32(f"{self._exchanges}:{numel}:{dtype}".encode()) & 0x7FFFFFFF
 
     def broadcast_from_first(self, tensor: torch.Tensor, *, what: str = "broadcast") -> Pending:
         """Overwrite ``tensor`` with the group's first rank's copy. Collective: call on all ranks."""
@@ -261,13 +353,20 @@ class Comm:
         paths meet in this check, which always matches in size, and can say so, instead of in a
         collective of another size. Collective: call on all ranks.
         """
+        return [row[0] for row in self.agree_async([value], what=what).result()]
+
+    def agree_async(self, values: list[int], *, what: str) -> Agreement:
+        """Launch :meth:`agree` for a fixed-length list of ints; ``result()`` waits for every rank's list.
+
+        Every rank must pass a list of the same length. Collective: call on all ranks.
+        """
         if self.world_size == 1:
-            return [value]
-        mine = torch.tensor([value], dtype=torch.int64, device=self.device)
-        out = torch.empty(self.world_size, dtype=torch.int64, device=self.device)
+            return Agreement(_DONE, torch.tensor([values], dtype=torch.int64))
+        mine = torch.tensor(values, dtype=torch.int64, device=self.device)
+        out = torch.empty(self.world_size * len(values), dtype=torch.int64, device=self.device)
         fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        Pending(fn(out, mine, group=self.group, async_op=True), what, self.rank, self.timeout).wait()
-        return [int(v) for v in out]
+        work = fn(out, mine, group=self.group, async_op=True)
+        return Agreement(Pending(work, what, self.rank, self.timeout), out.view(self.world_size, len(values)))
 
     def any_true(self, flags: torch.Tensor, *, what: str = "flag all_reduce") -> torch.Tensor:
         """Element-wise logical OR of a bool/uint8 tensor across ranks (small; not counted as model traffic).

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from zeroshard.buffers import BufferPool
 from zeroshard.comm import Comm, Pending
 from zeroshard.layout import FlatLayout, Piece
 from zeroshard.precision import DtypePolicy
@@ -71,6 +72,7 @@ class FlatUnit:
         plan: StagePlan,
         policy: DtypePolicy,
         master_device: torch.device | None = None,
+        pool: BufferPool | None = None,
     ) -> None:
         if not params:
             raise ValueError("a unit needs at least one parameter")
@@ -104,8 +106,10 @@ class FlatUnit:
         self._param_shard: torch.Tensor | None = None
         self.param_home: ParamShardStore | None = None  # offload_param nvme: where param_shard lives
         self._gathering: Pending | None = None
+        self.pool: BufferPool | None = None  # the initial full buffer is not the pool's
         if plan.shard_parameters:
             self.release()
+        self.pool = pool  # where gathered buffers come from and go back to (stage 3), see buffers.py
         if plan.shard_gradients:
             self.grad_full: torch.Tensor | None = None
             self.grad_shard = torch.zeros(hi - lo, dtype=policy.accumulate, device=device)
@@ -166,7 +170,7 @@ class FlatUnit:
         """
         if self.gathered or self._gathering is not None:
             return
-        self.full = torch.empty(self.layout.padded, dtype=self.policy.compute, device=self.device)
+        self.full = self._new_full()
         source = self.param_shard
         # From pinned CPU memory (ZeRO-Offload masters) the cast runs on the GPU after an async DMA; the
         # optimizer step waits for the stream before it writes the masters again (ShardedStep._step_grads).
@@ -197,7 +201,15 @@ class FlatUnit:
         empty = torch.empty(0, dtype=self.policy.compute, device=self.device)
         for param in self.params:
             param.data = empty
-        self.full = empty
+        old, self.full = self.full, empty
+        if self.pool is not None and old.numel():
+            self.pool.give(old)
+
+    def _new_full(self) -> torch.Tensor:
+        numel, dtype = self.layout.padded, self.policy.compute
+        if self.pool is None:
+            return torch.empty(numel, dtype=dtype, device=self.device)
+        return self.pool.take(numel, dtype, self.device)
 
     def own_full_shard(self) -> torch.Tensor:
         lo, hi = self.layout.shard_range(self.rank)

@@ -15,7 +15,18 @@ Collectives must be issued in the same order on every rank even though gradients
 different order, or not at all (an unused parameter): units are launched in a fixed order (reverse
 registration order, which is roughly the order backward produces them), a ready unit waits for the units
 before it, and :meth:`GradientReducer.finish_backward` launches whatever is left. With ``overlap_comm`` the
-launched collectives run while backward continues and are waited for at the end of backward.
+launched collectives run while backward continues and are waited for at the end of backward at the latest.
+Buckets come from, and go back to, the engine's :class:`~zeroshard.buffers.BufferPool`;
+``peak_bucket_bytes`` counts those filling and those in flight.
+
+[Note: bounded reductions]
+A bucket in flight is memory: left alone, every bucket of a stage-3 backward would live until its end, the
+whole model's gradients. So once more than ``MAX_INFLIGHT`` reductions are in flight the oldest is waited
+for, but only when every rank is known to have launched it. Waiting for one that a peer has not launched
+can deadlock: a peer whose unit lacks a gradient (a parameter unused on that rank) launches it only at the
+end of its backward, which may need this rank's next parameter gather. What every rank has launched is
+learnt for free from the stage-3 gather check (each rank's count rides in it: ``launched_everywhere``);
+without such checks (stages 1-2, whose units are ``reduce_bucket_size`` large) nothing is waited for early.
 
 Averaging follows DeepSpeed: with ``prescale_gradients`` gradients are divided by
 ``gradient_predivide_factor`` before the reduction and by ``world_size / predivide`` after it; otherwise the
@@ -30,9 +41,14 @@ from dataclasses import dataclass
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from zeroshard.buffers import BufferPool
 from zeroshard.comm import Comm, Pending
 from zeroshard.flat_param import FlatUnit
 from zeroshard.stages import StagePlan
+
+# With overlap_comm, how many unit reductions may stay in flight while backward goes on, beyond which the
+# oldest is waited for when that is safe ([Note: bounded reductions]).
+MAX_INFLIGHT = 2
 
 
 @dataclass(frozen=True)
@@ -64,8 +80,10 @@ class GradientReducer:
         averaging: Averaging,
         *,
         overlap_comm: bool,
+        pool: BufferPool | None = None,
     ) -> None:
         self.units = list(units)
+        self.pool = pool or BufferPool()
         self.comm = comm
         self.plan = plan
         self.averaging = averaging
@@ -77,7 +95,13 @@ class GradientReducer:
         self._ready = [False] * len(self.units)
         self._next = 0
         self._buckets: dict[int, torch.Tensor] = {}
-        self._inflight: list[tuple[Pending, Callable[[], None]]] = []
+        self._filled: dict[int, list[int]] = {}  # per bucket, the parameters written into it
+        # Reductions launched and not yet waited for: (launch position in this backward, pending, what to do
+        # when done, bytes of the bucket held).
+        self._inflight: list[tuple[int, Pending, Callable[[], None], int]] = []
+        self._inflight_bytes = 0
+        self._launched_everywhere = 0  # reductions every rank is known to have launched in this backward
+        self._backwards = 0  # backwards begun so far
         self._reducing = False
         self.needs_reduction = False  # gradients accumulated that no reduction has covered yet
         self.peak_bucket_bytes = 0
@@ -113,6 +137,8 @@ class GradientReducer:
         self._arrived = [0] * len(self.units)
         self._ready = [False] * len(self.units)
         self._next = 0
+        self._launched_everywhere = 0
+        self._backwards += 1
 
     def _accumulate(self, unit: FlatUnit, i: int, grad: torch.Tensor) -> None:
         lo, hi = unit.param_range(i)
@@ -122,10 +148,11 @@ class GradientReducer:
         else:
             bucket = self._buckets.get(unit.index)
             if bucket is None:
-                bucket = torch.zeros(unit.layout.padded, dtype=self.comm_dtype(unit), device=unit.full.device)
+                bucket = self._new_bucket(unit)
                 self._buckets[unit.index] = bucket
                 self._track_bucket_bytes()
             bucket[lo:hi].copy_(flat)
+            self._filled[unit.index].append(i)
         unit.has_grad[i] = True
         self.needs_reduction = True
         self._arrived[unit.index] += 1
@@ -136,9 +163,26 @@ class GradientReducer:
     def comm_dtype(self, unit: FlatUnit) -> torch.dtype:
         return unit.policy.reduce
 
+    def _new_bucket(self, unit: FlatUnit) -> torch.Tensor:
+        """A bucket for ``unit`` (from the pool: contents arbitrary) whose padding is zero; the parameters'
+        ranges are written as their gradients arrive, and :meth:`_complete` zeroes the ones that did not."""
+        bucket = self.pool.take(unit.layout.padded, self.comm_dtype(unit), unit.full.device)
+        bucket[unit.layout.total :].zero_()
+        self._filled[unit.index] = []
+        return bucket
+
+    def _complete(self, unit: FlatUnit, bucket: torch.Tensor) -> None:
+        """Zero the ranges of ``bucket`` that no gradient was written into in this backward."""
+        filled = self._filled.pop(unit.index, [])
+        if len(set(filled)) == len(unit.params):
+            return
+        for i in sorted(set(range(len(unit.params))) - set(filled)):
+            lo, hi = unit.param_range(i)
+            bucket[lo:hi].zero_()
+
     def _track_bucket_bytes(self) -> None:
-        live = sum(b.numel() * b.element_size() for b in self._buckets.values())
-        self.peak_bucket_bytes = max(self.peak_bucket_bytes, live)
+        filling = sum(b.numel() * b.element_size() for b in self._buckets.values())
+        self.peak_bucket_bytes = max(self.peak_bucket_bytes, filling + self._inflight_bytes)
 
     def _launch_ready(self) -> None:
         while self._next < len(self._order) and self._ready[self._next]:
@@ -159,10 +203,31 @@ class GradientReducer:
         self._reducing = False
 
     def wait_all(self) -> None:
-        inflight, self._inflight = self._inflight, []
-        for pending, then in inflight:
-            pending.wait()
-            then()
+        while self._inflight:
+            self._retire_oldest()
+
+    def _retire_oldest(self) -> None:
+        _, pending, then, nbytes = self._inflight.pop(0)
+        pending.wait()
+        then()
+        self._inflight_bytes -= nbytes
+
+    @property
+    def launched(self) -> tuple[int, int]:
+        """(which backward, how many unit reductions this rank has launched in it); every rank launches
+        them in the same order."""
+        return self._backwards, self._next
+
+    def launched_everywhere(self, backward: int, count: int) -> None:
+        """Every rank has launched the first ``count`` reductions of backward number ``backward``: once
+        more than ``MAX_INFLIGHT`` are in flight, wait for those (see [Note: bounded reductions])."""
+        if backward == self._backwards:
+            self._launched_everywhere = max(self._launched_everywhere, count)
+            self._retire_safely()
+
+    def _retire_safely(self) -> None:
+        while len(self._inflight) > MAX_INFLIGHT and self._inflight[0][0] < self._launched_everywhere:
+            self._retire_oldest()
 
     # -- one unit's reduction ------------------------------------------------------------------------
     def _launch(self, unit: FlatUnit) -> None:
@@ -176,7 +241,8 @@ class GradientReducer:
         else:
             bucket = self._buckets.pop(unit.index, None)
             if bucket is None:  # no parameter of this unit got a gradient on this rank
-                bucket = torch.zeros(unit.layout.padded, dtype=reduce_dtype, device=unit.full.device)
+                bucket = self._new_bucket(unit)
+            self._complete(unit, bucket)
             full = bucket
         if before != 1.0:
             full.mul_(before)
@@ -195,21 +261,29 @@ class GradientReducer:
                 kept.mul_(after)
 
         else:
-            out = torch.empty(unit.layout.shard_size, dtype=reduce_dtype, device=full.device)
+            out = self.pool.take(unit.layout.shard_size, reduce_dtype, full.device)
             pending = self.comm.reduce_scatter(out, full, what=what)
             accumulate = unit.grad_full is None  # sharded gradients sum over micro-steps
+            pooled = full if unit.grad_full is None else None
 
             def then() -> None:
                 if accumulate:
                     unit.grad_shard.add_(out.to(unit.grad_shard.dtype), alpha=after)
                 else:
                     unit.grad_shard.copy_(out).mul_(after)
+                self.pool.give(out)
+                if pooled is not None:
+                    self.pool.give(pooled)
 
-        self._inflight.append((pending, then))
+        held = full.numel() * full.element_size() if unit.grad_full is None else 0
+        self._inflight.append((self._next, pending, then, held))
+        self._inflight_bytes += held
+        self._track_bucket_bytes()
         if self.on_reduced is not None:
             self.on_reduced(unit)
         if not self.overlap_comm:
             self.wait_all()
+        self._retire_safely()
 
     # -- the accumulation boundary -------------------------------------------------------------------
     def global_has_grad(self) -> list[torch.Tensor]:
@@ -227,4 +301,6 @@ class GradientReducer:
         for unit in self.units:
             unit.zero_grad()
         self._buckets.clear()
+        self._filled.clear()
         self.needs_reduction = False
+        self.pool.clear()  # transient buffers do not outlive the step (see [Note: buffer reuse])

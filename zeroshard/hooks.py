@@ -12,9 +12,13 @@ Between uses a stage-3 unit holds only this rank's master shard; its parameters 
 * A unit is released in backward as soon as its gradients are complete and handed to the reduce-scatter
   (the reducer calls :meth:`ParameterGatherer.on_reduced`), and at the end of backward at the latest.
 
-The order in which units are gathered is recorded every step; the next step prefetches from it. Every rank
-gathers in the same order because every rank runs the same modules; a rank that runs different modules
-makes the collectives disagree, which ends in the collective timeout's error naming the unit.
+The order in which units are needed is recorded every step; the next step prefetches from it, and a unit
+that the prefetch would gather again at once (the last modules of the forward, first in the backward) is
+kept instead of released. Every rank gathers in the same order because every rank runs the same modules.
+Each burst of gathers is launched together with a small fixed-size check of what every rank is gathering,
+verified before the units are used: ranks that run different modules raise an error naming each rank's
+units instead of pairing different collectives. Full buffers come from the engine's
+:class:`~zeroshard.buffers.BufferPool` and go back to it on release.
 """
 
 from __future__ import annotations
@@ -23,16 +27,19 @@ import contextlib
 import dataclasses
 import weakref
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from zeroshard.comm import Comm
+from zeroshard.comm import Agreement, Comm
 from zeroshard.flat_param import FlatUnit
 from zeroshard.saved_views import SavedViews
+
+# How many unit indices a gather check carries, so that a mismatch can name them without another collective.
+_CHECK_SHOWS = 6
 
 _LEAF_CLASSES: weakref.WeakKeyDictionary[nn.Module, tuple[type, ...]] = weakref.WeakKeyDictionary()
 
@@ -117,7 +124,14 @@ class ParameterGatherer:
         # point at different moments (it follows local gradient readiness), so such a unit is never
         # gathered again in the same backward: the decision to gather stays the same on every rank.
         self._done: set[int] = set()
+        self._prefetched: set[int] = set()  # units gathered ahead of need, not yet needed
+        # The gradient reducer's count of launched reductions, and where to say how many every rank has
+        # launched: each gather check carries the count (grad_sync.py [Note: bounded reductions]).
+        self.reductions_launched: Callable[[], tuple[int, int]] | None = None
+        self.launched_everywhere: Callable[[int, int], None] | None = None
         self.peak_gathered_bytes = 0
+        # Gather checks launched and not yet verified, with the unit indices each covers (see _start_many).
+        self._unverified: list[tuple[Agreement, set[int]]] = []
         self.saved_views = SavedViews(self.gather, comm.rank)  # see [Note: saved views]
         # Whether any unit's shard lives on NVMe (decided when the units were built, before this).
         self._reads_ahead = any(u.param_home is not None for _, us in module_units for u in us)
@@ -186,12 +200,18 @@ class ParameterGatherer:
         """Make ``units`` gathered, prefetching what came next last step. Collective: all ranks."""
         units = list(units)
         missing = [u for u in units if not u.gathered and u.index not in self._done]
-        self._order.extend(missing)
-        if missing:
-            self._advance_cursor(missing[-1])
+        # The order records each unit where it is needed, whether a prefetch already brought it or not.
+        needed = [u for u in units if u in missing or u.index in self._prefetched]
+        self._prefetched.difference_update(u.index for u in needed)
+        self._order.extend(needed)
+        if needed:
+            self._advance_cursor(needed[-1])
         # One check for the units needed now and the ones prefetched with them.
-        self._start_many(missing + self._prefetch_candidates(missing))
+        ahead = self._prefetch_candidates(missing)
+        self._prefetched.update(u.index for u in ahead)
+        self._start_many(missing + ahead)
         self._read_ahead()
+        self._verify(units)
         for unit in units:
             unit.finish_gather()
             self.saved_views.note(unit)
@@ -199,16 +219,47 @@ class ParameterGatherer:
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, live)
 
     def _start_many(self, units: list[FlatUnit]) -> None:
-        """Launch the all-gathers of ``units`` after one check that every rank is about to gather the same
-        units (a fixed-size collective, so ranks on different paths meet in it and can say so)."""
+        """Launch the all-gathers of ``units``, and before them a check that every rank is about to gather
+        the same units (a fixed-size collective, so ranks on different paths meet in it and can say so).
+
+        The check is verified (:meth:`_verify`) before any of these units is used, not before the launch:
+        its round trip overlaps the data's.
+        """
         if not units:
             return
-        key = _sequence_key([u.index for u in units])
-        if any(k != key for k in self.comm.agree(key, what="stage-3 gather check")):
-            lists = self.comm.all_gather_object([u.index for u in units])  # every rank is on this path now
+        indices = [u.index for u in units]
+        shown = indices[:_CHECK_SHOWS] + [-1] * (_CHECK_SHOWS - len(indices[:_CHECK_SHOWS]))
+        backward, launched = self.reductions_launched() if self.reductions_launched is not None else (0, 0)
+        check = self.comm.agree_async(
+            [backward, launched, _sequence_key(indices), len(indices), *shown], what="stage-3 gather check"
+        )
+        self._unverified.append((check, set(indices)))
+        for unit in units:
+            unit.start_gather(self.comm)
+
+    def _verify(self, units: Iterable[FlatUnit] | None = None) -> None:
+        """Verify the gather checks launched up to the last one that covers any of ``units`` (all: None).
+
+        Raises the same error on every rank when the ranks were about to gather different units.
+        """
+        wanted = None if units is None else {u.index for u in units}
+        last = len(self._unverified) - 1
+        if wanted is not None:
+            while last >= 0 and not (self._unverified[last][1] & wanted):
+                last -= 1
+        checks, self._unverified = self._unverified[: last + 1], self._unverified[last + 1 :]
+        for check, _ in checks:
+            rows = check.result()
+            if all(row[2:] == rows[0][2:] for row in rows):
+                backwards = {row[0] for row in rows}
+                if self.launched_everywhere is not None and len(backwards) == 1:
+                    self.launched_everywhere(backwards.pop(), min(row[1] for row in rows))
+                continue
             by_rank = "; ".join(
-                f"rank {r}: " + ", ".join(self._describe(i) for i in indices)
-                for r, indices in enumerate(lists)
+                f"rank {r}: "
+                + ", ".join(self._describe(i) for i in row[4 : 4 + min(row[3], _CHECK_SHOWS)])
+                + (", ..." if row[3] > _CHECK_SHOWS else "")
+                for r, row in enumerate(rows)
             )
             raise RuntimeError(
                 f"rank {self.comm.rank}: ZeRO stage 3 needs every rank to run the same modules in the same "
@@ -218,8 +269,6 @@ class ParameterGatherer:
                 "with a module every rank runs (zeroshard.set_z3_leaf_modules(model, [ParentClass]) or "
                 "zeroshard.register_external_parameter(parent, param))"
             )
-        for unit in units:
-            unit.start_gather(self.comm)
 
     def _describe(self, index: int) -> str:
         for unit in self._all_units():
@@ -265,15 +314,18 @@ class ParameterGatherer:
             budget -= unit.layout.padded
 
     def _reused_soon(self, unit: FlatUnit) -> bool:
-        """Whether last step's order uses ``unit`` again within ``max_reuse_distance`` elements.
+        """Whether last step's order uses ``unit`` again soon enough to keep it gathered.
 
-        The distance counts the unit's own elements plus everything gathered before its next use, so 0
-        never keeps a unit and DeepSpeed's default (1e9) keeps every unit of a smaller model gathered from
-        its forward to its backward (fewer gathers, more memory).
+        Soon enough is within ``max_reuse_distance`` elements, counting the unit's own elements plus
+        everything gathered before its next use (so 0 never keeps a unit for that reason, and DeepSpeed's
+        default, 1e9, keeps every unit of a smaller model gathered from its forward to its backward); or
+        within the prefetch window, where the next gather would only fetch the same bytes again (the last
+        modules of the forward, which the backward needs first).
         """
         distance = unit.layout.padded
+        limit = max(self.max_reuse_distance, self.prefetch_elements)
         for upcoming in self._schedule[self._cursor :]:
-            if distance > self.max_reuse_distance:
+            if distance > limit:
                 return False
             if upcoming is unit:
                 return True
@@ -292,6 +344,7 @@ class ParameterGatherer:
         the master shards on exit (after an in-place modification). Collective: all ranks, same units."""
         units = sorted(unique_units(units), key=lambda u: u.index)
         self._start_many([u for u in units if not u.gathered])
+        self._verify(units)
         for unit in units:
             unit.finish_gather()
             self._users[unit.index] += 1
@@ -313,6 +366,7 @@ class ParameterGatherer:
 
     def end_backward(self) -> None:
         """Release everything still gathered and start the next step's prefetch schedule."""
+        self._verify()
         for unit in self._all_units():
             if self._users[unit.index] == 0:
                 unit.release()
@@ -325,6 +379,7 @@ class ParameterGatherer:
             self.end_backward()
 
     def end_step(self) -> None:
+        self._prefetched.clear()
         if self._order:
             self._schedule = self._order
         self._order = []

@@ -24,6 +24,7 @@ import torch
 import torch.nn.modules.container as containers
 from torch import nn
 
+from zeroshard.buffers import BufferPool
 from zeroshard.comm import Comm
 from zeroshard.config import ZeroshardConfig
 from zeroshard.flat_param import FlatUnit
@@ -47,6 +48,7 @@ class UnitOptions:
 
     master_device: torch.device | None = None
     on_unit: Callable[[FlatUnit], None] | None = None
+    pool: BufferPool | None = None  # where stage-3 gathered buffers are reused
 
 
 @dataclass
@@ -105,6 +107,7 @@ def _make(units: list[FlatUnit], named: Named, plan: StagePlan, ctx: _Ctx) -> Fl
         plan=plan,
         policy=ctx.policy,
         master_device=ctx.options.master_device,
+        pool=ctx.options.pool,
     )
     units.append(unit)
     if ctx.options.on_unit is not None:

@@ -1,0 +1,59 @@
+"""BufferPool ([Note: buffer reuse]): reuse by size, never a buffer held elsewhere, bounded idle bytes."""
+
+from __future__ import annotations
+
+import torch
+
+from zeroshard.buffers import BufferPool
+
+CPU = torch.device("cpu")
+
+
+def test_a_given_back_buffer_is_reused_for_the_same_size_and_dtype_only() -> None:
+    pool = BufferPool()
+    a = pool.take(1000, torch.float32, CPU)
+    address = a.data_ptr()
+    pool.give(a)
+    del a
+    assert pool.idle_bytes == 4000
+    b = pool.take(1000, torch.float32, CPU)
+    assert b.data_ptr() == address and (pool.hits, pool.misses) == (1, 1)
+    assert pool.idle_bytes == 0
+    pool.give(b)
+    pool.take(1000, torch.bfloat16, CPU)  # another dtype: not that buffer
+    assert (pool.hits, pool.misses) == (1, 2)
+
+
+def test_a_buffer_still_referenced_elsewhere_is_not_reused() -> None:
+    pool = BufferPool()
+    a = pool.take(64, torch.float32, CPU)
+    held = a[8:16]  # e.g. a view autograd or the user kept
+    held.fill_(7.0)
+    pool.give(a)
+    assert pool.idle_bytes == 0
+    c = pool.take(64, torch.float32, CPU)
+    c.fill_(0.0)
+    assert torch.equal(held, torch.full((8,), 7.0))
+
+
+def test_the_pool_never_keeps_more_idle_than_it_handed_out_at_once() -> None:
+    pool = BufferPool()
+    sizes = [100, 300, 100, 50, 300, 200, 100]
+    live: list[torch.Tensor] = []
+    peak_out = 0
+    for step in range(3):
+        for i, n in enumerate(sizes):
+            live.append(pool.take(n, torch.float32, CPU))
+            peak_out = max(peak_out, sum(t.numel() * 4 for t in live))
+            if len(live) > 2:  # about two live at a time, like a prefetching stage-3 forward
+                pool.give(live.pop(0))
+            assert pool.idle_bytes <= pool.high_water_bytes == peak_out, (step, i)
+        while live:
+            pool.give(live.pop())
+    assert pool.hits > pool.misses
+    # A buffer the pool never handed out (the engine's initial parameters) is not kept.
+    before = pool.idle_bytes
+    pool.give(torch.empty(10_000))
+    assert pool.idle_bytes == before
+    pool.clear()
+    assert pool.idle_bytes == 0
