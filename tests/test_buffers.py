@@ -57,3 +57,17 @@ def test_the_pool_never_keeps_more_idle_than_it_handed_out_at_once() -> None:
     assert pool.idle_bytes == before
     pool.clear()
     assert pool.idle_bytes == 0
+
+
+def test_between_steps_the_pool_keeps_only_the_newest_keep_between_steps_bytes() -> None:
+    pool = BufferPool(keep_between_steps=800)
+    bufs = [pool.take(100, torch.float32, CPU) for _ in range(5)]  # 400 bytes each
+    newest = [b.data_ptr() for b in bufs[-2:]]
+    for b in bufs:
+        pool.give(b)
+    del bufs, b
+    assert pool.idle_bytes == 2000
+    pool.end_step()
+    assert pool.idle_bytes == 800
+    kept = {pool.take(100, torch.float32, CPU).data_ptr() for _ in range(2)}
+    assert kept == set(newest)  # the last given back: what the next forward's first gathers want

@@ -16,8 +16,10 @@ Invariants:
 * The idle bytes never exceed the most bytes handed out at one time (``high_water_bytes``): the oldest
   idle buffer is freed first when they would. Units of a few sizes (a transformer block's linears) then
   find their size idle almost always, at the cost of at most that much memory kept between uses.
-* The engine empties the pool at the end of every optimizer step (``GradientReducer.zero_grad``), so no
-  idle buffer outlives a step and sits beside the next forward's activations, where the peak is.
+* At the end of every optimizer step (``GradientReducer.zero_grad``) the pool keeps only the most recently
+  given back ``keep_between_steps`` bytes: at stage 3 the prefetch window, which the next forward's first
+  gathers take at once (the last units released in backward are the first ones the forward needs), and
+  nothing at stages 0-2. So no idle buffer sits beside the next forward's activations, where the peak is.
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ _Key = tuple[int, torch.dtype, torch.device]
 class BufferPool:
     """Flat 1-D buffers by (numel, dtype, device): see [Note: buffer reuse]. Not thread-safe."""
 
-    def __init__(self) -> None:
+    def __init__(self, keep_between_steps: int = 0) -> None:
+        self.keep_between_steps = keep_between_steps
         self._idle: OrderedDict[int, tuple[_Key, torch.Tensor]] = OrderedDict()  # oldest first
         self._serial = 0
         self.idle_bytes = 0
@@ -65,9 +68,7 @@ class BufferPool:
                 self.hits += 1
                 return buf
         self.misses += 1
-        while self._idle and self.idle_bytes > self.high_water_bytes:
-            _, (_, old) = self._idle.popitem(last=False)
-            self.idle_bytes -= old.numel() * old.element_size()
+        self._trim(self.high_water_bytes)
         return torch.empty(numel, dtype=dtype, device=device)
 
     def give(self, buffer: torch.Tensor) -> None:
@@ -84,7 +85,15 @@ class BufferPool:
         self._idle[self._serial] = ((buffer.numel(), buffer.dtype, buffer.device), buffer)
         self.idle_bytes += nbytes
 
+    def end_step(self) -> None:
+        """Free idle buffers, oldest first, down to ``keep_between_steps`` bytes."""
+        self._trim(self.keep_between_steps)
+
     def clear(self) -> None:
         """Free every idle buffer."""
-        self._idle.clear()
-        self.idle_bytes = 0
+        self._trim(0)
+
+    def _trim(self, limit: int) -> None:
+        while self._idle and self.idle_bytes > limit:
+            _, (_, old) = self._idle.popitem(last=False)
+            self.idle_bytes -= old.numel() * old.element_size()

@@ -89,7 +89,10 @@ def initialize(
     _broadcast_from_rank0(model, comm)
     offload = build_offload(cfg, plan, policy, model, comm)
     swapper = offload.optimizer_swapper
-    pool = BufferPool()  # transient flat buffers reused across units and steps: see buffers.py
+    # Transient flat buffers reused across units (see buffers.py); at stage 3 the prefetch window's worth is
+    # kept from one step to the next, for the next forward's first gathers.
+    prefetch_bytes = cfg.zero_optimization.prefetch_bucket_size * policy.compute.itemsize
+    pool = BufferPool(keep_between_steps=prefetch_bytes if plan.shard_parameters else 0)
     options = UnitOptions(offload.master_device, offload.on_unit, pool)
     built = build_units(model, cfg, plan, policy, comm, options)
     units = built.units

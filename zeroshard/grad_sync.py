@@ -303,4 +303,4 @@ class GradientReducer:
         self._buckets.clear()
         self._filled.clear()
         self.needs_reduction = False
-        self.pool.clear()  # transient buffers do not outlive the step (see [Note: buffer reuse])
+        self.pool.end_step()  # see [Note: buffer reuse]
