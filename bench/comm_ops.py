@@ -5,8 +5,9 @@
 
 Per (world size, size, operation): the median wall time over the repetitions of launching and waiting for
 one collective, on rank 0, each repetition after a barrier. ``torch`` rows call ``torch.distributed``'s
-``all_gather_into_tensor`` / ``reduce_scatter_tensor``; ``zeroshard`` rows call ``zeroshard.comm.Comm``,
-which on gloo exchanges the chunks point to point. Results go to ``bench/results/comm_ops.json``.
+``all_gather_single`` / ``reduce_scatter_single`` (``all_gather_into_tensor`` / ``reduce_scatter_tensor``
+before torch 2.13); ``zeroshard`` rows call ``zeroshard.comm.Comm``, which on gloo exchanges the chunks
+point to point. Results go to ``bench/results/comm_ops.json``.
 """
 
 from __future__ import annotations
@@ -43,10 +44,12 @@ def _operations(comm: Comm, world: int, n: int) -> dict[tuple[str, str], Callabl
     """The four ways to move one unit, by (operation, system); each returns something with ``wait()``."""
     shard, full = torch.randn(n), torch.empty(world * n)
     bucket, mine = torch.randn(world * n), torch.empty(n)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return {
-        ("all_gather", "torch"): lambda: dist.all_gather_into_tensor(full, shard, async_op=True),
+        ("all_gather", "torch"): lambda: gather(full, shard, async_op=True),
         ("all_gather", "zeroshard"): lambda: comm.all_gather(full, shard),
-        ("reduce_scatter", "torch"): lambda: dist.reduce_scatter_tensor(mine, bucket, async_op=True),
+        ("reduce_scatter", "torch"): lambda: scatter(mine, bucket, async_op=True),
         ("reduce_scatter", "zeroshard"): lambda: comm.reduce_scatter(mine, bucket),
     }
 

@@ -222,8 +222,9 @@ class ParameterGatherer:
         """Launch the all-gathers of ``units``, and before them a check that every rank is about to gather
         the same units (a fixed-size collective, so ranks on different paths meet in it and can say so).
 
-        The check is verified (:meth:`_verify`) before any of these units is used, not before the launch:
-        its round trip overlaps the data's.
+        On gloo the check is verified (:meth:`_verify`) before any of these units is used, not before the
+        launch, so its round trip overlaps the data's: the data moves in point-to-point messages tagged with
+        their size, which ranks on different paths never pair up (comm.py [Note: direct exchange]).
         """
         if not units:
             return
@@ -234,6 +235,9 @@ class ParameterGatherer:
             [backward, launched, _sequence_key(indices), len(indices), *shown], what="stage-3 gather check"
         )
         self._unverified.append((check, set(indices)))
+        if not self.comm.direct:
+            # NCCL runs collectives of different sizes without noticing: verify before the data moves.
+            self._verify()
         for unit in units:
             unit.start_gather(self.comm)
 
