@@ -91,9 +91,10 @@ def test_three_psi_and_bounded_gathered_memory(world_size: int) -> None:
     assert result["peak_blocks_prefetchFalse"] <= 2.01
     assert result["peak_blocks_prefetchTrue"] <= 3.01
     # Gradient buckets filling or in flight: a few blocks, not the model's 8 (grad_sync.py [Note: bounded
-    # reductions]: MAX_INFLIGHT in flight, one filling, one launched before the oldest is known done).
-    assert result["bucket_blocks_prefetchFalse"] <= 4.01
-    assert result["bucket_blocks_prefetchTrue"] <= 4.01
+    # reductions]: MAX_INFLIGHT = 2 in flight and one filling, plus those whose marker has not arrived yet
+    # when the next launch polls it: the ranks meet at every gather, so a block or two at most).
+    assert result["bucket_blocks_prefetchFalse"] <= 5.01
+    assert result["bucket_blocks_prefetchTrue"] <= 5.01
     print(
         f"peak gathered blocks of 8: {result['peak_blocks_prefetchFalse']:.2f} without prefetch, "
         f"{result['peak_blocks_prefetchTrue']:.2f} with a one-block prefetch; gradient buckets "

@@ -89,13 +89,15 @@ def initialize(
     _broadcast_from_rank0(model, comm)
     offload = build_offload(cfg, plan, policy, model, comm)
     swapper = offload.optimizer_swapper
-    # Transient flat buffers reused across units (see buffers.py); at stage 3 the prefetch window's worth is
-    # kept from one step to the next, for the next forward's first gathers.
-    prefetch_bytes = cfg.zero_optimization.prefetch_bucket_size * policy.compute.itemsize
-    pool = BufferPool(keep_between_steps=prefetch_bytes if plan.shard_parameters else 0)
+    pool = BufferPool()  # transient flat buffers reused across units: see buffers.py, sized below
     options = UnitOptions(offload.master_device, offload.on_unit, pool)
     built = build_units(model, cfg, plan, policy, comm, options)
     units = built.units
+    # Two of the largest units idle at most; at stage 3 the prefetch window's worth kept between steps.
+    itemsize = max(policy.compute.itemsize, policy.reduce.itemsize)
+    pool.idle_limit = 2 * itemsize * max((u.layout.padded for u in units), default=0)
+    prefetch_bytes = cfg.zero_optimization.prefetch_bucket_size * policy.compute.itemsize
+    pool.keep_between_steps = prefetch_bytes if plan.shard_parameters else 0
     if policy.mixed:
         # Frozen parameters and floating buffers follow the compute dtype; unit parameters already do.
         model.to(dtype=policy.compute)
@@ -131,8 +133,6 @@ def initialize(
         )
         gatherer.register(model)
         reducer.on_reduced = gatherer.on_reduced
-        gatherer.reductions_launched = lambda: reducer.launched
-        gatherer.launched_everywhere = reducer.launched_everywhere
     track(units, gatherer, comm)
     install_state_dict_hooks(model, units, gatherer)
     engine = ZeroshardEngine(

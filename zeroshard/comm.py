@@ -129,6 +129,11 @@ class Pending:
         self._op = op
         self._then = then
 
+    def done(self) -> bool:
+        """Whether the collective has completed, without waiting (gloo's send/recv never say so)."""
+        works = self._work if isinstance(self._work, list) else [self._work]
+        return all(w is None or w.is_completed() for w in works)
+
     def wait(self) -> None:
         if self._work is None:
             return
@@ -168,6 +173,10 @@ class Agreement:
     def __init__(self, pending: Pending, rows: torch.Tensor) -> None:
         self._pending = pending
         self._rows = rows
+
+    def done(self) -> bool:
+        """Whether every rank's list has arrived (without waiting)."""
+        return self._pending.done()
 
     def result(self) -> list[list[int]]:
         self._pending.wait()

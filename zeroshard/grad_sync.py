@@ -21,16 +21,13 @@ Buckets come from, and go back to, the engine's :class:`~zeroshard.buffers.Buffe
 
 [Note: bounded reductions]
 A bucket in flight is memory: left alone, every bucket of a stage-3 backward would live until its end, the
-whole model's gradients. So once more than ``MAX_INFLIGHT`` reductions are in flight the oldest is waited
-for, but only when every rank is known to have launched it. Waiting for one that a peer has not launched
-can deadlock: a peer whose unit lacks a gradient (a parameter unused on that rank) launches it only at the
-end of its backward, which may need this rank's next parameter gather. What every rank has launched is
-learnt for free from the stage-3 gather check (each rank's count rides in it: ``launched_everywhere``);
-without such checks (stages 1-2, whose units are ``reduce_bucket_size`` large) nothing is waited for early.
-
-Averaging follows DeepSpeed: with ``prescale_gradients`` gradients are divided by
-``gradient_predivide_factor`` before the reduction and by ``world_size / predivide`` after it; otherwise the
-sum is divided by ``world_size`` after it.
+whole model's gradients (the point-to-point exchanges of comm.py hold their buffers until waited for). So
+once more than ``MAX_INFLIGHT`` reductions are in flight the oldest is waited for, but only once every rank
+is known to have launched it. Waiting for one that a peer has not launched can deadlock: a peer whose unit
+lacks a gradient (a parameter unused on that rank) launches it only at the end of its backward, which may
+need this rank's next parameter gather. So each launch also launches a tiny collective, a marker, on the
+same group; a marker completes only when every rank has launched its reduction, and completion is polled,
+never waited for. Every rank launches the same markers in the same order (one per unit reduction).
 """
 
 from __future__ import annotations
@@ -42,7 +39,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from zeroshard.buffers import BufferPool
-from zeroshard.comm import Comm, Pending
+from zeroshard.comm import Agreement, Comm, Pending
 from zeroshard.flat_param import FlatUnit
 from zeroshard.stages import StagePlan
 
@@ -96,12 +93,10 @@ class GradientReducer:
         self._next = 0
         self._buckets: dict[int, torch.Tensor] = {}
         self._filled: dict[int, list[int]] = {}  # per bucket, the parameters written into it
-        # Reductions launched and not yet waited for: (launch position in this backward, pending, what to do
-        # when done, bytes of the bucket held).
-        self._inflight: list[tuple[int, Pending, Callable[[], None], int]] = []
+        # Reductions launched and not yet waited for: (the marker that completes once every rank has
+        # launched it, pending, what to do when done, bucket bytes held); see [Note: bounded reductions].
+        self._inflight: list[tuple[Agreement | None, Pending, Callable[[], None], int]] = []
         self._inflight_bytes = 0
-        self._launched_everywhere = 0  # reductions every rank is known to have launched in this backward
-        self._backwards = 0  # backwards begun so far
         self._reducing = False
         self.needs_reduction = False  # gradients accumulated that no reduction has covered yet
         self.peak_bucket_bytes = 0
@@ -137,8 +132,6 @@ class GradientReducer:
         self._arrived = [0] * len(self.units)
         self._ready = [False] * len(self.units)
         self._next = 0
-        self._launched_everywhere = 0
-        self._backwards += 1
 
     def _accumulate(self, unit: FlatUnit, i: int, grad: torch.Tensor) -> None:
         lo, hi = unit.param_range(i)
@@ -207,26 +200,19 @@ class GradientReducer:
             self._retire_oldest()
 
     def _retire_oldest(self) -> None:
-        _, pending, then, nbytes = self._inflight.pop(0)
+        marker, pending, then, nbytes = self._inflight.pop(0)
         pending.wait()
+        if marker is not None:
+            marker.result()  # done already, or (at the end of backward) about to be
         then()
         self._inflight_bytes -= nbytes
 
-    @property
-    def launched(self) -> tuple[int, int]:
-        """(which backward, how many unit reductions this rank has launched in it); every rank launches
-        them in the same order."""
-        return self._backwards, self._next
-
-    def launched_everywhere(self, backward: int, count: int) -> None:
-        """Every rank has launched the first ``count`` reductions of backward number ``backward``: once
-        more than ``MAX_INFLIGHT`` are in flight, wait for those (see [Note: bounded reductions])."""
-        if backward == self._backwards:
-            self._launched_everywhere = max(self._launched_everywhere, count)
-            self._retire_safely()
-
     def _retire_safely(self) -> None:
-        while len(self._inflight) > MAX_INFLIGHT and self._inflight[0][0] < self._launched_everywhere:
+        """Wait for the oldest reductions beyond ``MAX_INFLIGHT`` that every rank has launched."""
+        while len(self._inflight) > MAX_INFLIGHT:
+            marker = self._inflight[0][0]
+            if marker is not None and not marker.done():
+                return
             self._retire_oldest()
 
     # -- one unit's reduction ------------------------------------------------------------------------
@@ -276,7 +262,10 @@ class GradientReducer:
                     self.pool.give(pooled)
 
         held = full.numel() * full.element_size() if unit.grad_full is None else 0
-        self._inflight.append((self._next, pending, then, held))
+        marker = None
+        if self.overlap_comm and held:
+            marker = self.comm.agree_async([self._next], what=f"reduction marker of unit {unit.index}")
+        self._inflight.append((marker, pending, then, held))
         self._inflight_bytes += held
         self._track_bucket_bytes()
         if self.on_reduced is not None:

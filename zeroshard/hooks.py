@@ -27,7 +27,7 @@ import contextlib
 import dataclasses
 import weakref
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -125,10 +125,6 @@ class ParameterGatherer:
         # gathered again in the same backward: the decision to gather stays the same on every rank.
         self._done: set[int] = set()
         self._prefetched: set[int] = set()  # units gathered ahead of need, not yet needed
-        # The gradient reducer's count of launched reductions, and where to say how many every rank has
-        # launched: each gather check carries the count (grad_sync.py [Note: bounded reductions]).
-        self.reductions_launched: Callable[[], tuple[int, int]] | None = None
-        self.launched_everywhere: Callable[[int, int], None] | None = None
         self.peak_gathered_bytes = 0
         # Gather checks launched and not yet verified, with the unit indices each covers (see _start_many).
         self._unverified: list[tuple[Agreement, set[int]]] = []
@@ -230,9 +226,8 @@ class ParameterGatherer:
             return
         indices = [u.index for u in units]
         shown = indices[:_CHECK_SHOWS] + [-1] * (_CHECK_SHOWS - len(indices[:_CHECK_SHOWS]))
-        backward, launched = self.reductions_launched() if self.reductions_launched is not None else (0, 0)
         check = self.comm.agree_async(
-            [backward, launched, _sequence_key(indices), len(indices), *shown], what="stage-3 gather check"
+            [_sequence_key(indices), len(indices), *shown], what="stage-3 gather check"
         )
         self._unverified.append((check, set(indices)))
         if not self.comm.direct:
@@ -254,15 +249,12 @@ class ParameterGatherer:
         checks, self._unverified = self._unverified[: last + 1], self._unverified[last + 1 :]
         for check, _ in checks:
             rows = check.result()
-            if all(row[2:] == rows[0][2:] for row in rows):
-                backwards = {row[0] for row in rows}
-                if self.launched_everywhere is not None and len(backwards) == 1:
-                    self.launched_everywhere(backwards.pop(), min(row[1] for row in rows))
+            if all(row == rows[0] for row in rows):
                 continue
             by_rank = "; ".join(
                 f"rank {r}: "
-                + ", ".join(self._describe(i) for i in row[4 : 4 + min(row[3], _CHECK_SHOWS)])
-                + (", ..." if row[3] > _CHECK_SHOWS else "")
+                + ", ".join(self._describe(i) for i in row[2 : 2 + min(row[1], _CHECK_SHOWS)])
+                + (", ..." if row[1] > _CHECK_SHOWS else "")
                 for r, row in enumerate(rows)
             )
             raise RuntimeError(
