@@ -19,6 +19,10 @@ launched collectives run while backward continues and are waited for at the end 
 Buckets come from, and go back to, the engine's :class:`~zeroshard.buffers.BufferPool`;
 ``peak_bucket_bytes`` counts those filling and those in flight.
 
+Averaging follows DeepSpeed: with ``prescale_gradients`` gradients are divided by
+``gradient_predivide_factor`` before the reduction and by ``world_size / predivide`` after it; otherwise the
+sum is divided by ``world_size`` after it.
+
 [Note: bounded reductions]
 A bucket in flight is memory: left alone, every bucket of a stage-3 backward would live until its end, the
 whole model's gradients (the point-to-point exchanges of comm.py hold their buffers until waited for). So
