@@ -15,9 +15,9 @@ Between uses a stage-3 unit holds only this rank's master shard; its parameters 
 The order in which units are needed is recorded every step; the next step prefetches from it, and a unit
 that the prefetch would gather again at once (the last modules of the forward, first in the backward) is
 kept instead of released. Every rank gathers in the same order because every rank runs the same modules.
-Each burst of gathers is launched together with a small fixed-size check of what every rank is gathering,
-verified before the units are used: ranks that run different modules raise an error naming each rank's
-units instead of pairing different collectives. Full buffers come from the engine's
+Each burst of gathers comes with a small fixed-size check of what every rank is gathering
+(``gather_check.py``, [Note: gather check]): ranks that run different modules raise an error naming each
+rank's units instead of pairing different collectives. Full buffers come from the engine's
 :class:`~zeroshard.buffers.BufferPool` and go back to it on release.
 """
 
@@ -34,12 +34,10 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from zeroshard.comm import Agreement, Comm
+from zeroshard.comm import Comm
 from zeroshard.flat_param import FlatUnit
+from zeroshard.gather_check import GatherChecks
 from zeroshard.saved_views import SavedViews
-
-# How many unit indices a gather check carries, so that a mismatch can name them without another collective.
-_CHECK_SHOWS = 6
 
 _LEAF_CLASSES: weakref.WeakKeyDictionary[nn.Module, tuple[type, ...]] = weakref.WeakKeyDictionary()
 
@@ -126,8 +124,7 @@ class ParameterGatherer:
         self._done: set[int] = set()
         self._prefetched: set[int] = set()  # units gathered ahead of need, not yet needed
         self.peak_gathered_bytes = 0
-        # Gather checks launched and not yet verified, with the unit indices each covers (see _start_many).
-        self._unverified: list[tuple[Agreement, set[int]]] = []
+        self._checks = GatherChecks(comm, self._describe)  # see [Note: gather check]
         self.saved_views = SavedViews(self.gather, comm.rank)  # see [Note: saved views]
         # Whether any unit's shard lives on NVMe (decided when the units were built, before this).
         self._reads_ahead = any(u.param_home is not None for _, us in module_units for u in us)
@@ -207,7 +204,7 @@ class ParameterGatherer:
         self._prefetched.update(u.index for u in ahead)
         self._start_many(missing + ahead)
         self._read_ahead()
-        self._verify(units)
+        self._checks.verify(u.index for u in units)
         for unit in units:
             unit.finish_gather()
             self.saved_views.note(unit)
@@ -215,56 +212,12 @@ class ParameterGatherer:
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, live)
 
     def _start_many(self, units: list[FlatUnit]) -> None:
-        """Launch the all-gathers of ``units``, and before them a check that every rank is about to gather
-        the same units (a fixed-size collective, so ranks on different paths meet in it and can say so).
-
-        On gloo the check is verified (:meth:`_verify`) before any of these units is used, not before the
-        launch, so its round trip overlaps the data's: the data moves in point-to-point messages tagged with
-        their size, which ranks on different paths never pair up (comm.py [Note: direct exchange]).
-        """
+        """Launch the all-gathers of ``units`` with their gather check ([Note: gather check])."""
         if not units:
             return
-        indices = [u.index for u in units]
-        shown = indices[:_CHECK_SHOWS] + [-1] * (_CHECK_SHOWS - len(indices[:_CHECK_SHOWS]))
-        check = self.comm.agree_async(
-            [_sequence_key(indices), len(indices), *shown], what="stage-3 gather check"
-        )
-        self._unverified.append((check, set(indices)))
-        if not self.comm.direct:
-            # NCCL runs collectives of different sizes without noticing: verify before the data moves.
-            self._verify()
+        self._checks.launch([u.index for u in units])
         for unit in units:
             unit.start_gather(self.comm)
-
-    def _verify(self, units: Iterable[FlatUnit] | None = None) -> None:
-        """Verify the gather checks launched up to the last one that covers any of ``units`` (all: None).
-
-        Raises the same error on every rank when the ranks were about to gather different units.
-        """
-        wanted = None if units is None else {u.index for u in units}
-        last = len(self._unverified) - 1
-        if wanted is not None:
-            while last >= 0 and not (self._unverified[last][1] & wanted):
-                last -= 1
-        checks, self._unverified = self._unverified[: last + 1], self._unverified[last + 1 :]
-        for check, _ in checks:
-            rows = check.result()
-            if all(row == rows[0] for row in rows):
-                continue
-            by_rank = "; ".join(
-                f"rank {r}: "
-                + ", ".join(self._describe(i) for i in row[2 : 2 + min(row[1], _CHECK_SHOWS)])
-                + (", ..." if row[1] > _CHECK_SHOWS else "")
-                for r, row in enumerate(rows)
-            )
-            raise RuntimeError(
-                f"rank {self.comm.rank}: ZeRO stage 3 needs every rank to run the same modules in the same "
-                f"order, but the ranks are about to gather different parameters ({by_rank}). A module that "
-                "runs on some ranks only (data-dependent control flow) must not be gathered on its own: keep "
-                "its parameters full with stage3_param_persistence_threshold >= its size, or gather it "
-                "with a module every rank runs (zeroshard.set_z3_leaf_modules(model, [ParentClass]) or "
-                "zeroshard.register_external_parameter(parent, param))"
-            )
 
     def _describe(self, index: int) -> str:
         for unit in self._all_units():
@@ -340,7 +293,7 @@ class ParameterGatherer:
         the master shards on exit (after an in-place modification). Collective: all ranks, same units."""
         units = sorted(unique_units(units), key=lambda u: u.index)
         self._start_many([u for u in units if not u.gathered])
-        self._verify(units)
+        self._checks.verify(u.index for u in units)
         for unit in units:
             unit.finish_gather()
             self._users[unit.index] += 1
@@ -362,7 +315,7 @@ class ParameterGatherer:
 
     def end_backward(self) -> None:
         """Release everything still gathered and start the next step's prefetch schedule."""
-        self._verify()
+        self._checks.verify()
         for unit in self._all_units():
             if self._users[unit.index] == 0:
                 unit.release()
@@ -393,11 +346,3 @@ def unique_units(units: Iterable[FlatUnit]) -> list[FlatUnit]:
     for unit in units:
         out.setdefault(unit.index, unit)
     return list(out.values())
-
-
-def _sequence_key(indices: list[int]) -> int:
-    """An order-sensitive 62-bit fingerprint of a list of unit indices (equal lists, equal keys)."""
-    key = len(indices)
-    for index in indices:
-        key = (key * 1_000_003 + index + 1) % (1 << 62)
-    return key
