@@ -72,6 +72,19 @@ def volume_and_memory(rank: int, world_size: int) -> dict[str, Any]:
             _step(engine, rank)
         out[f"peak_blocks_prefetch{prefetch > 0}"] = engine.gatherer.peak_gathered_bytes / block
         out[f"bucket_blocks_prefetch{prefetch > 0}"] = engine.reducer.peak_bucket_bytes / block
+        # buffers.py [Note: buffer reuse]: a step after the first ones allocates no buffer; holding the
+        # whole model once leaves the pool no larger than the steps need.
+        pool = engine.reducer.pool
+        misses, high = pool.misses, pool.high_water_bytes
+        _step(engine, rank)
+        out[f"pool_misses_prefetch{prefetch > 0}"] = pool.misses - misses
+        with engine.gathered_parameters():
+            pass
+        out[f"pool_after_hold_prefetch{prefetch > 0}"] = (
+            pool.high_water_bytes == high,
+            pool.idle_bytes <= high + pool.spare_bytes,
+            engine.memory_breakdown().cached_buffers == pool.idle_bytes > 0,
+        )
     return out
 
 
@@ -95,6 +108,8 @@ def test_three_psi_and_bounded_gathered_memory(world_size: int) -> None:
     # when the next launch polls it: the ranks meet at every gather, so a block or two at most).
     assert result["bucket_blocks_prefetchFalse"] <= 5.01
     assert result["bucket_blocks_prefetchTrue"] <= 5.01
+    assert result["pool_misses_prefetchFalse"] == result["pool_misses_prefetchTrue"] == 0
+    assert result["pool_after_hold_prefetchFalse"] == result["pool_after_hold_prefetchTrue"] == (True,) * 3
     print(
         f"peak gathered blocks of 8: {result['peak_blocks_prefetchFalse']:.2f} without prefetch, "
         f"{result['peak_blocks_prefetchTrue']:.2f} with a one-block prefetch; gradient buckets "

@@ -15,19 +15,22 @@ Invariants:
 * A buffer is reused only when nothing else refers to its storage (its use count, checked when it is given
   back): a view held elsewhere (a user's reference to ``param.data``, a tensor autograd saved) keeps its
   memory and the buffer is simply dropped to the allocator.
-* At most ``idle_limit`` bytes are kept idle, and never more than the most bytes handed out at one time
-  (``high_water_bytes``); the oldest idle buffers are freed first. The engine sets the limit to two of its
-  largest units: enough for the next gather or bucket to find the buffer a unit just released, while the
-  memory the pool adds to a peak is at most those two units.
-* At the end of every optimizer step (``GradientReducer.zero_grad``) the pool keeps only the most recently
-  given back ``keep_between_steps`` bytes: at stage 3 the prefetch window (within the idle limit), which the
-  next forward's first gathers take at once (the last units released in backward are the first ones the
-  forward needs), and nothing at stages 0-2.
+* The pool's footprint, idle plus handed out, stays within the high-water mark (the most bytes ever handed
+  out at one time) plus ``spare_bytes``: idle buffers fill the room that the step's own peak of live
+  buffers leaves, plus a little (the engine sets two of its largest units), never more. The oldest idle
+  buffers are freed first when room is needed. So the pool adds at most ``spare_bytes`` to the process's
+  peak, and a training step, which repeats the same requests every step, finds every buffer idle after
+  the first steps: no page faults, no unmapping, across steps too (nothing is trimmed between steps; the
+  idle bytes are reported by ``engine.memory_breakdown().cached_buffers``).
+* Requests made under :meth:`BufferPool.exempt` (the whole model gathered for generation or export) do not
+  raise the high-water mark, so a one-off demand never makes the pool keep that much idle afterwards.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
+from collections.abc import Iterator
 
 import torch
 
@@ -53,16 +56,20 @@ def _first(buffer: torch.Tensor, numel: int) -> torch.Tensor:
 class BufferPool:
     """Flat 1-D CPU buffers for reuse: see [Note: buffer reuse]. Not thread-safe."""
 
-    def __init__(self, idle_limit: int = 0, keep_between_steps: int = 0) -> None:
-        self.idle_limit = idle_limit
-        self.keep_between_steps = keep_between_steps
+    def __init__(self, spare_bytes: int = 0) -> None:
+        self.spare_bytes = spare_bytes
         self._idle: OrderedDict[int, torch.Tensor] = OrderedDict()  # whole buffers, oldest first
         self._serial = 0
+        self._exempt = 0
         self.idle_bytes = 0
         self.out_bytes = 0  # handed out and not given back (whole buffers)
         self.high_water_bytes = 0
         self.hits = 0
         self.misses = 0
+
+    def room(self) -> int:
+        """How many idle bytes the pool may keep now (see the invariants in [Note: buffer reuse])."""
+        return max(0, self.high_water_bytes - self.out_bytes) + self.spare_bytes
 
     def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A 1-D tensor of ``numel`` elements with arbitrary contents (reused, or newly allocated)."""
@@ -78,13 +85,18 @@ class BufferPool:
             del self._idle[serial]
             nbytes = buf.numel() * buf.element_size()
             self.idle_bytes -= nbytes
-            self.out_bytes += nbytes
+            self._hand_out(nbytes)
             self.hits += 1
             return buf if buf.numel() == numel else _first(buf, numel)
         self.misses += 1
-        self.out_bytes += numel * dtype.itemsize
-        self.high_water_bytes = max(self.high_water_bytes, self.out_bytes)
+        self._hand_out(numel * dtype.itemsize)
+        self._trim(self.room())  # the new buffer takes room from idle ones
         return torch.empty(numel, dtype=dtype, device=device)
+
+    def _hand_out(self, nbytes: int) -> None:
+        self.out_bytes += nbytes
+        if not self._exempt:
+            self.high_water_bytes = max(self.high_water_bytes, self.out_bytes)
 
     def give(self, buffer: torch.Tensor) -> None:
         """Hand back a tensor from :meth:`take`; its buffer is kept for reuse if nothing else refers to it."""
@@ -95,19 +107,25 @@ class BufferPool:
         self.out_bytes = max(0, self.out_bytes - nbytes)
         if not sole_user or buffer.storage_offset() != 0:
             return  # still in use elsewhere: the allocator frees it when the last user lets go
-        if nbytes > min(self.idle_limit, self.high_water_bytes):
-            return  # larger than the pool keeps, or not one of ours (more than it ever handed out at once)
+        if nbytes > self.room():
+            return  # no room for it now, or not one of ours (more than the pool ever handed out at once)
         whole = buffer
         if buffer.numel() * buffer.element_size() != nbytes:
             whole = _first(buffer, nbytes // buffer.element_size())
         self._serial += 1
         self._idle[self._serial] = whole
         self.idle_bytes += nbytes
-        self._trim(min(self.idle_limit, self.high_water_bytes))
+        self._trim(self.room())
 
-    def end_step(self) -> None:
-        """Free idle buffers, oldest first, down to ``keep_between_steps`` bytes."""
-        self._trim(min(self.keep_between_steps, self.idle_limit))
+    @contextlib.contextmanager
+    def exempt(self) -> Iterator[None]:
+        """Requests inside the block do not raise the high-water mark (a one-off demand, e.g. the whole model
+        gathered for generation): afterwards the pool keeps no more than the training steps need."""
+        self._exempt += 1
+        try:
+            yield
+        finally:
+            self._exempt -= 1
 
     def clear(self) -> None:
         """Free every idle buffer."""

@@ -93,11 +93,9 @@ def initialize(
     options = UnitOptions(offload.master_device, offload.on_unit, pool)
     built = build_units(model, cfg, plan, policy, comm, options)
     units = built.units
-    # Two of the largest units idle at most; at stage 3 the prefetch window's worth kept between steps.
+    # Idle buffers fill the room below the high-water mark plus two of the largest units.
     itemsize = max(policy.compute.itemsize, policy.reduce.itemsize)
-    pool.idle_limit = 2 * itemsize * max((u.layout.padded for u in units), default=0)
-    prefetch_bytes = cfg.zero_optimization.prefetch_bucket_size * policy.compute.itemsize
-    pool.keep_between_steps = prefetch_bytes if plan.shard_parameters else 0
+    pool.spare_bytes = 2 * itemsize * max((u.layout.padded for u in units), default=0)
     if policy.mixed:
         # Frozen parameters and floating buffers follow the compute dtype; unit parameters already do.
         model.to(dtype=policy.compute)
@@ -130,6 +128,7 @@ def initialize(
             prefetch_elements=zero.prefetch_bucket_size,
             max_live_elements=zero.max_live_parameters,
             max_reuse_distance=zero.max_reuse_distance,
+            pool=pool,
         )
         gatherer.register(model)
         reducer.on_reduced = gatherer.on_reduced

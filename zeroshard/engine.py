@@ -326,6 +326,7 @@ class ZeroshardEngine(nn.Module):
             world_size=self.world_size,
             communication_buffers=self.reducer.peak_bucket_bytes,
             offloaded=self.offload.offloaded_bytes(),
+            cached_buffers=self.reducer.pool.idle_bytes,
         )
 
     def communication_bytes(self) -> int:

@@ -296,4 +296,3 @@ class GradientReducer:
         self._buckets.clear()
         self._filled.clear()
         self.needs_reduction = False
-        self.pool.end_step()  # see [Note: buffer reuse]

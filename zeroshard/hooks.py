@@ -34,6 +34,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from zeroshard.buffers import BufferPool
 from zeroshard.comm import Comm
 from zeroshard.flat_param import FlatUnit
 from zeroshard.gather_check import GatherChecks
@@ -102,8 +103,10 @@ class ParameterGatherer:
         prefetch_elements: int,
         max_live_elements: int,
         max_reuse_distance: int,
+        pool: BufferPool | None = None,
     ) -> None:
         self.comm = comm
+        self.pool = pool or BufferPool()  # the units' pool: holds are exempt from its high-water mark
         self.prefetch_elements = prefetch_elements
         self.max_live_elements = max_live_elements
         self.max_reuse_distance = max_reuse_distance
@@ -292,7 +295,8 @@ class ParameterGatherer:
         """Keep ``units`` gathered inside the block; with ``write_back`` copy their full parameters back into
         the master shards on exit (after an in-place modification). Collective: all ranks, same units."""
         units = sorted(unique_units(units), key=lambda u: u.index)
-        self._start_many([u for u in units if not u.gathered])
+        with self.pool.exempt():  # a one-off demand: see [Note: buffer reuse]
+            self._start_many([u for u in units if not u.gathered])
         self._checks.verify(u.index for u in units)
         for unit in units:
             unit.finish_gather()

@@ -47,7 +47,9 @@ class MemoryBreakdown:
     """This rank's model-state bytes, measured from the tensors it holds, beside the formula's prediction.
 
     ``optimizer_state`` includes the fp32 master copy when one is kept (as the paper's 12 bytes do).
-    ``communication_buffers`` is the peak of the transient gradient buckets seen so far. ``offloaded`` is
+    ``communication_buffers`` is the peak of the transient gradient buckets seen so far. ``cached_buffers``
+    is what the buffer pool keeps idle for reuse at the moment of the call (buffers.py [Note: buffer
+    reuse]; not part of ``total``, like CUDA's reserved-but-unallocated memory). ``offloaded`` is
     the model state this rank keeps in NVMe files instead (not part of ``total``; the prediction is the
     formula's in-memory figure, which the measured ``total`` plus ``offloaded`` then follows).
     """
@@ -61,6 +63,7 @@ class MemoryBreakdown:
     communication_buffers: int
     predicted: Predicted
     offloaded: int = 0
+    cached_buffers: int = 0
 
     @property
     def total(self) -> int:
@@ -109,6 +112,7 @@ def measure(
     world_size: int,
     communication_buffers: int,
     offloaded: int,
+    cached_buffers: int = 0,
 ) -> MemoryBreakdown:
     """This rank's model-state bytes held by ``units`` and ``optimizer``, beside the formula's prediction."""
     held = [u.bytes_held() for u in units]
@@ -131,4 +135,5 @@ def measure(
             master_copy=policy is not None and not policy.master_is_compute,
         ),
         offloaded=offloaded,
+        cached_buffers=cached_buffers,
     )
