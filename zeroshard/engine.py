@@ -250,12 +250,14 @@ class ZeroshardEngine(nn.Module):
         )
 
     def destroy(self) -> None:
-        """Flush and close the monitors, remove zeroshard's hooks and this rank's offload files."""
+        """Flush and close the monitors, remove zeroshard's hooks and this rank's offload files, and free the
+        idle buffers the pool keeps for reuse (buffers.py [Note: buffer reuse])."""
         self.telemetry.close()
         self.offload.close()
         self.reducer.remove_hooks()
         if self.gatherer is not None:
             self.gatherer.remove()
+        self.reducer.pool.clear()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop accumulated gradients (the engine already does this after each step)."""
