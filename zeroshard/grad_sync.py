@@ -81,10 +81,10 @@ class GradientReducer:
         averaging: Averaging,
         *,
         overlap_comm: bool,
-        pool: BufferPool | None = None,
+        pool: BufferPool,
     ) -> None:
         self.units = list(units)
-        self.pool = pool or BufferPool()
+        self.pool = pool  # the units' own pool: buckets and reduce-scatter outputs share it
         self.comm = comm
         self.plan = plan
         self.averaging = averaging

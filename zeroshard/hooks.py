@@ -103,10 +103,10 @@ class ParameterGatherer:
         prefetch_elements: int,
         max_live_elements: int,
         max_reuse_distance: int,
-        pool: BufferPool | None = None,
+        pool: BufferPool,
     ) -> None:
         self.comm = comm
-        self.pool = pool or BufferPool()  # the units' pool: holds are exempt from its high-water mark
+        self.pool = pool  # the units' own pool: holds are exempt from its high-water mark
         self.prefetch_elements = prefetch_elements
         self.max_live_elements = max_live_elements
         self.max_reuse_distance = max_reuse_distance
