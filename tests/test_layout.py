@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from zeroshard.layout import FlatLayout, split_into_units
+from zeroshard.layout import FlatLayout, GroupLayout, split_into_units
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4, 7])
@@ -52,3 +52,34 @@ def test_split_into_units_keeps_order_and_limit() -> None:
     assert split_into_units([5, 5, 5, 20, 1], 10) == [[0, 1], [2], [3], [4]]
     assert split_into_units([], 10) == []
     assert [i for unit in split_into_units([1] * 9, 4) for i in unit] == list(range(9))
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_group_layout_gives_each_rank_its_shard_of_every_unit(world_size: int) -> None:
+    """Writing every unit's flat space into a group buffer through ``runs`` and cutting the buffer into
+    ``world_size`` chunks (what a reduce-scatter does) gives rank r unit k's shard r at ``offsets[k]``."""
+    for sizes in itertools.product([1, 4, 9], repeat=3):
+        units = [FlatLayout.for_shapes([n], world_size) for n in sizes]
+        group = GroupLayout(tuple(u.shard_size for u in units), world_size)
+        assert group.padded == world_size * group.chunk
+        buffer: list[tuple[int, int] | None] = [None] * group.padded
+        for k, unit in enumerate(units):
+            # Any split of the unit's range into pieces lands in the same places.
+            for lo, hi in [(0, unit.padded), *[(i, i + 1) for i in range(unit.padded)]][: 1 + unit.padded]:
+                for start, offset, numel in group.runs(k, lo, hi):
+                    for e in range(numel):
+                        assert buffer[start + e] in (None, (k, lo + offset + e))
+                        buffer[start + e] = (k, lo + offset + e)
+        assert None not in buffer  # the units' padded spaces fill the buffer exactly
+        for rank in range(world_size):
+            chunk = buffer[rank * group.chunk : (rank + 1) * group.chunk]
+            for k, unit in enumerate(units):
+                start, end = unit.shard_range(rank)
+                own = chunk[group.offsets[k] : group.offsets[k] + unit.shard_size]
+                assert own == [(k, e) for e in range(start, end)]
+
+
+def test_group_layout_of_one_unit_is_its_flat_space() -> None:
+    group = GroupLayout((5,), 3)  # a unit padded to 15
+    assert group.runs(0, 2, 13) == [(2, 0, 11)]  # one run: adjacent pieces merged
+    assert GroupLayout((5, 2), 3).runs(0, 3, 8) == [(3, 0, 2), (7, 2, 3)]  # crosses into rank 1's chunk

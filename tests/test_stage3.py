@@ -66,7 +66,8 @@ def volume_and_memory(rank: int, world_size: int) -> dict[str, Any]:
         engine, _, _, _ = zeroshard.initialize(
             model=model,
             model_parameters=model.parameters(),
-            config=_config(3, stage3_prefetch_bucket_size=prefetch),
+            # Buckets of one block: each block's gradients reduced on their own as soon as they are ready.
+            config=_config(3, stage3_prefetch_bucket_size=prefetch, reduce_bucket_size=WIDTH * WIDTH + WIDTH),
         )
         for _ in range(3):
             _step(engine, rank)
@@ -84,6 +85,23 @@ def volume_and_memory(rank: int, world_size: int) -> dict[str, Any]:
             pool.high_water_bytes == high,
             pool.idle_bytes <= high + pool.spare_bytes,
             engine.memory_breakdown().cached_buffers == pool.idle_bytes > 0,
+        )
+    # grad_sync.py [Note: gradient flow]: consecutive units share one reduce-scatter, in buckets of at most
+    # reduce_bucket_size elements and never more than the largest unit (here a head of three blocks).
+    for bucket_blocks in (None, 2):
+        torch.manual_seed(0)
+        model = nn.Sequential(*_blocks(8), nn.Linear(WIDTH, 3 * WIDTH))
+        zero = {} if bucket_blocks is None else {"reduce_bucket_size": bucket_blocks * block // 4}
+        engine, _, _, _ = zeroshard.initialize(
+            model=model, model_parameters=model.parameters(), config=_config(3, **zero)
+        )
+        _step(engine, rank)
+        engine.comm.stats.reset()
+        _step(engine, rank)
+        out[f"grouped{bucket_blocks}"] = (
+            dict(engine.comm.stats.calls_by_op),
+            engine.comm.stats.total_bytes == 3 * 4 * sum(u.layout.padded for u in engine.units),
+            [len(g.units) for g in engine.reducer.groups],
         )
     return out
 
@@ -108,6 +126,9 @@ def test_three_psi_and_bounded_gathered_memory(world_size: int) -> None:
     # when the next launch polls it: the ranks meet at every gather, so a block or two at most).
     assert result["bucket_blocks_prefetchFalse"] <= 5.01
     assert result["bucket_blocks_prefetchTrue"] <= 5.01
+    # Backward order: the head, then blocks 8..1 in threes (the head's size) or twos (the bucket size).
+    assert result["groupedNone"] == ({"all_gather": 18, "reduce_scatter": 4}, True, [1, 3, 3, 2])
+    assert result["grouped2"] == ({"all_gather": 18, "reduce_scatter": 5}, True, [1, 2, 2, 2, 2])
     assert result["pool_misses_prefetchFalse"] == result["pool_misses_prefetchTrue"] == 0
     assert result["pool_after_hold_prefetchFalse"] == result["pool_after_hold_prefetchTrue"] == (True,) * 3
     print(

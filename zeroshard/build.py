@@ -117,6 +117,7 @@ def initialize(
         Averaging(comm.world_size, cfg.prescale_gradients, cfg.gradient_predivide_factor),
         overlap_comm=cfg.zero_optimization.overlap_comm,
         pool=pool,
+        bucket_elements=cfg.zero_optimization.reduce_bucket_size,
     )
     reducer.register_hooks()
     gatherer = None

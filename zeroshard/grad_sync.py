@@ -1,4 +1,4 @@
-"""Gradient reduction: per-unit buckets, accumulation over micro-steps, all-reduce or reduce-scatter.
+"""Gradient reduction: shared buckets, accumulation over micro-steps, all-reduce or reduce-scatter.
 
 [Note: gradient flow]
 A post-accumulate-grad hook on every trainable parameter moves the gradient autograd produced into the
@@ -7,13 +7,18 @@ parameter's unit and drops ``param.grad``, so autograd's full-size gradients nev
 * Stages that keep full gradients (0, 1) add it into ``unit.grad_full``; on the backward of an accumulation
   boundary, a unit whose parameters have all arrived is reduced (all-reduce at stage 0, reduce-scatter into
   this rank's slice at stage 1) while backward goes on.
-* Stages that shard gradients (2, 3) copy it into a transient bucket the size of the unit; when the bucket is
-  complete it is reduce-scattered and this rank's slice is added into ``unit.grad_shard`` (fp32 accumulation
-  over micro-steps), and the bucket is dropped.
+* Stages that shard gradients (2, 3) copy it into a transient bucket shared by a *reduction group*:
+  consecutive units (in launch order) of at most ``reduce_bucket_size`` elements together, DeepSpeed's
+  bucket. When every unit of the group is complete the bucket is reduce-scattered, each unit's part of this
+  rank's slice is added into its ``unit.grad_shard`` (fp32 accumulation over micro-steps), and the bucket
+  is dropped. The bucket is laid out rank by rank so that one collective serves the whole group
+  (layout.py, [Note: coalesced reduction]); a unit larger than the bucket size is a group of its own, and
+  stage 2's units are already bucket-sized, so there each group is one unit. At stage 3 a unit's
+  parameters are released as soon as its gradients are in the bucket, not when the bucket is reduced.
 
 Collectives must be issued in the same order on every rank even though gradients may become ready in a
-different order, or not at all (an unused parameter): units are launched in a fixed order (reverse
-registration order, which is roughly the order backward produces them), a ready unit waits for the units
+different order, or not at all (an unused parameter): groups are launched in a fixed order (reverse
+registration order, which is roughly the order backward produces them), a ready group waits for the groups
 before it, and :meth:`GradientReducer.finish_backward` launches whatever is left. With ``overlap_comm`` the
 launched collectives run while backward continues and are waited for at the end of backward at the latest.
 Buckets come from, and go back to, the engine's :class:`~zeroshard.buffers.BufferPool`;
@@ -31,7 +36,7 @@ is known to have launched it. Waiting for one that a peer has not launched can d
 lacks a gradient (a parameter unused on that rank) launches it only at the end of its backward, which may
 need this rank's next parameter gather. So each launch also launches a tiny collective, a marker, on the
 same group; a marker completes only when every rank has launched its reduction, and completion is polled,
-never waited for. Every rank launches the same markers in the same order (one per unit reduction).
+never waited for. Every rank launches the same markers in the same order (one per group's reduction).
 """
 
 from __future__ import annotations
@@ -45,9 +50,10 @@ from torch.utils.hooks import RemovableHandle
 from zeroshard.buffers import BufferPool
 from zeroshard.comm import Agreement, Comm, Pending
 from zeroshard.flat_param import FlatUnit
+from zeroshard.layout import GroupLayout
 from zeroshard.stages import StagePlan
 
-# With overlap_comm, how many unit reductions may stay in flight while backward goes on, beyond which the
+# With overlap_comm, how many group reductions may stay in flight while backward goes on, beyond which the
 # oldest is waited for when that is safe ([Note: bounded reductions]).
 MAX_INFLIGHT = 2
 
@@ -67,8 +73,50 @@ class Averaging:
         return self.predivide_factor / self.world_size if self.prescale else 1.0 / self.world_size
 
 
+@dataclass(frozen=True)
+class _Group:
+    """Units whose gradients are reduced in one collective ([Note: coalesced reduction] in layout.py)."""
+
+    index: int
+    units: tuple[FlatUnit, ...]
+    layout: GroupLayout
+
+    @property
+    def keeps_full(self) -> bool:
+        """Whether its (single) unit keeps full gradients (stages 0, 1) instead of a transient bucket."""
+        return self.units[0].grad_full is not None
+
+
+def _group_units(order: Sequence[FlatUnit], bucket_elements: int) -> list[list[FlatUnit]]:
+    """Consecutive units of ``order`` whose transient buckets are reduced together: at most
+    ``bucket_elements`` elements per group (a larger unit alone), one reduce dtype and device per group.
+    Units that keep full gradients are reduced alone."""
+    groups: list[list[FlatUnit]] = []
+    size = 0
+    for unit in order:
+        last = groups[-1][-1] if groups else None
+        joins = (
+            last is not None
+            and last.grad_full is None
+            and unit.grad_full is None
+            and unit.policy.reduce == last.policy.reduce
+            and unit.full.device == last.full.device
+            and size + unit.layout.padded <= bucket_elements
+        )
+        if joins:
+            groups[-1].append(unit)
+            size += unit.layout.padded
+        else:
+            groups.append([unit])
+            size = unit.layout.padded
+    return groups
+
+
 class GradientReducer:
     """Owns the gradient hooks and the reduction schedule of a list of units.
+
+    ``bucket_elements`` (``reduce_bucket_size``) bounds how many elements of consecutive units' transient
+    buckets are reduced in one collective ([Note: coalesced reduction]), and so does the largest unit.
 
     Collective: :meth:`finish_backward` and :meth:`global_has_grad` must be called on all ranks.
     """
@@ -82,6 +130,7 @@ class GradientReducer:
         *,
         overlap_comm: bool,
         pool: BufferPool,
+        bucket_elements: int,
     ) -> None:
         self.units = list(units)
         self.pool = pool  # the units' own pool: buckets and reduce-scatter outputs share it
@@ -89,14 +138,23 @@ class GradientReducer:
         self.plan = plan
         self.averaging = averaging
         self.overlap_comm = overlap_comm
-        # Launch order: reverse registration order (see [Note: gradient flow]).
-        self._order = sorted(self.units, key=lambda u: -u.index)
-        self._position = {u.index: i for i, u in enumerate(self._order)}
+        # Launch order: reverse registration order (see [Note: gradient flow]), in groups.
+        order = sorted(self.units, key=lambda u: -u.index)
+        # No group's bucket is larger than the largest unit's: coalescing merges small units, it never
+        # raises the bucket memory that reducing unit by unit needs anyway.
+        largest = max((u.layout.padded for u in self.units if u.grad_full is None), default=0)
+        bucket_elements = min(bucket_elements, largest)
+        self.groups = [
+            _Group(g, tuple(us), GroupLayout(tuple(u.layout.shard_size for u in us), comm.world_size))
+            for g, us in enumerate(_group_units(order, max(1, bucket_elements)))
+        ]
+        self._slot = {u.index: (g.index, k) for g in self.groups for k, u in enumerate(g.units)}
         self._arrived = [0] * len(self.units)
-        self._ready = [False] * len(self.units)
+        self._complete_units = [0] * len(self.groups)
+        self._handed = [False] * len(self.units)  # on_reduced called in this backward
         self._next = 0
-        self._buckets: dict[int, torch.Tensor] = {}
-        self._filled: dict[int, list[int]] = {}  # per bucket, the parameters written into it
+        self._buckets: dict[int, torch.Tensor] = {}  # per group
+        self._filled: dict[int, list[int]] = {}  # per unit, the parameters written into its group's bucket
         # Reductions launched and not yet waited for: (the marker that completes once every rank has
         # launched it, pending, what to do when done, bucket bytes held); see [Note: bounded reductions].
         self._inflight: list[tuple[Agreement | None, Pending, Callable[[], None], int]] = []
@@ -105,7 +163,8 @@ class GradientReducer:
         self.needs_reduction = False  # gradients accumulated that no reduction has covered yet
         self.peak_bucket_bytes = 0
         self._handles: list[RemovableHandle] = []
-        # Called right after a unit's gradients are handed to the reduction (stage 3 frees its parameters).
+        # Called once a unit's gradients are all in its bucket or handed to the reduction (stage 3 frees
+        # its parameters).
         self.on_reduced: Callable[[FlatUnit], None] | None = None
 
     # -- hooks ---------------------------------------------------------------------------------------
@@ -134,56 +193,74 @@ class GradientReducer:
         """Start a backward; ``reduce`` says whether this backward's gradients are reduced (boundary)."""
         self._reducing = reduce or self.plan.reduce_every_micro_step
         self._arrived = [0] * len(self.units)
-        self._ready = [False] * len(self.units)
+        self._complete_units = [0] * len(self.groups)
+        self._handed = [False] * len(self.units)
         self._next = 0
 
     def _accumulate(self, unit: FlatUnit, i: int, grad: torch.Tensor) -> None:
         lo, hi = unit.param_range(i)
         flat = grad.reshape(-1)
+        g, k = self._slot[unit.index]
         if unit.grad_full is not None:
             unit.grad_full[lo:hi].add_(flat)
         else:
-            bucket = self._buckets.get(unit.index)
+            group = self.groups[g]
+            bucket = self._buckets.get(g)
             if bucket is None:
-                bucket = self._new_bucket(unit)
-                self._buckets[unit.index] = bucket
+                bucket = self._new_bucket(group)
+                self._buckets[g] = bucket
                 self._track_bucket_bytes()
-            bucket[lo:hi].copy_(flat)
+            for start, offset, numel in group.layout.runs(k, lo, hi):
+                bucket[start : start + numel].copy_(flat[offset : offset + numel])
             self._filled[unit.index].append(i)
         unit.has_grad[i] = True
         self.needs_reduction = True
         self._arrived[unit.index] += 1
         if self._reducing and self._arrived[unit.index] == len(unit.params):
-            self._ready[self._position[unit.index]] = True
+            self._hand_over(unit)
+            self._complete_units[g] += 1
             self._launch_ready()
 
     def comm_dtype(self, unit: FlatUnit) -> torch.dtype:
         return unit.policy.reduce
 
-    def _new_bucket(self, unit: FlatUnit) -> torch.Tensor:
-        """A bucket for ``unit`` (from the pool: contents arbitrary) whose padding is zero; the parameters'
+    def _new_bucket(self, group: _Group) -> torch.Tensor:
+        """A bucket for ``group`` (from the pool: contents arbitrary) whose padding is zero; the parameters'
         ranges are written as their gradients arrive, and :meth:`_complete` zeroes the ones that did not."""
-        bucket = self.pool.take(unit.layout.padded, self.comm_dtype(unit), unit.full.device)
-        bucket[unit.layout.total :].zero_()
-        self._filled[unit.index] = []
+        first = group.units[0]
+        bucket = self.pool.take(group.layout.padded, self.comm_dtype(first), first.full.device)
+        for k, unit in enumerate(group.units):
+            self._zero(bucket, group, k, unit.layout.total, unit.layout.padded)
+            self._filled[unit.index] = []
         return bucket
 
-    def _complete(self, unit: FlatUnit, bucket: torch.Tensor) -> None:
+    @staticmethod
+    def _zero(bucket: torch.Tensor, group: _Group, k: int, lo: int, hi: int) -> None:
+        for start, _, numel in group.layout.runs(k, lo, hi):
+            bucket[start : start + numel].zero_()
+
+    def _complete(self, group: _Group, bucket: torch.Tensor) -> None:
         """Zero the ranges of ``bucket`` that no gradient was written into in this backward."""
-        filled = self._filled.pop(unit.index, [])
-        if len(set(filled)) == len(unit.params):
-            return
-        for i in sorted(set(range(len(unit.params))) - set(filled)):
-            lo, hi = unit.param_range(i)
-            bucket[lo:hi].zero_()
+        for k, unit in enumerate(group.units):
+            filled = set(self._filled.pop(unit.index, []))
+            for i in sorted(set(range(len(unit.params))) - filled):
+                self._zero(bucket, group, k, *unit.param_range(i))
+
+    def _hand_over(self, unit: FlatUnit) -> None:
+        if not self._handed[unit.index]:
+            self._handed[unit.index] = True
+            if self.on_reduced is not None:
+                self.on_reduced(unit)
 
     def _track_bucket_bytes(self) -> None:
         filling = sum(b.numel() * b.element_size() for b in self._buckets.values())
         self.peak_bucket_bytes = max(self.peak_bucket_bytes, filling + self._inflight_bytes)
 
     def _launch_ready(self) -> None:
-        while self._next < len(self._order) and self._ready[self._next]:
-            self._launch(self._order[self._next])
+        while self._next < len(self.groups) and self._complete_units[self._next] == len(
+            self.groups[self._next].units
+        ):
+            self._launch(self.groups[self._next])
             self._next += 1
 
     def finish_backward(self) -> None:
@@ -192,8 +269,8 @@ class GradientReducer:
         Collective: call on all ranks after every backward.
         """
         if self._reducing:
-            while self._next < len(self._order):
-                self._launch(self._order[self._next])
+            while self._next < len(self.groups):
+                self._launch(self.groups[self._next])
                 self._next += 1
             self.needs_reduction = False
         self.wait_all()
@@ -219,28 +296,32 @@ class GradientReducer:
                 return
             self._retire_oldest()
 
-    # -- one unit's reduction ------------------------------------------------------------------------
-    def _launch(self, unit: FlatUnit) -> None:
+    # -- one group's reduction -----------------------------------------------------------------------
+    def _launch(self, group: _Group) -> None:
         before, after = self.averaging.before, self.averaging.after
-        what = f"gradient {self.plan.reduce_op} of unit {unit.index} ({unit.names[0]}, ...)"
-        reduce_dtype = self.comm_dtype(unit)
-        if unit.grad_full is not None:
+        first = group.units[0]
+        names = f"unit {first.index} ({first.names[0]}, ...)"
+        if len(group.units) > 1:
+            names = f"units {first.index}-{group.units[-1].index} ({first.names[0]}, ...)"
+        what = f"gradient {self.plan.reduce_op} of {names}"
+        reduce_dtype = self.comm_dtype(first)
+        if first.grad_full is not None:
             # Kept full gradients (stages 0, 1): reduce them at the boundary, in the reduce dtype.
-            kept = unit.grad_full
+            kept = first.grad_full
             full = kept if kept.dtype == reduce_dtype else kept.to(reduce_dtype)
         else:
-            bucket = self._buckets.pop(unit.index, None)
-            if bucket is None:  # no parameter of this unit got a gradient on this rank
-                bucket = self._new_bucket(unit)
-            self._complete(unit, bucket)
+            bucket = self._buckets.pop(group.index, None)
+            if bucket is None:  # no parameter of these units got a gradient on this rank
+                bucket = self._new_bucket(group)
+            self._complete(group, bucket)
             full = bucket
         if before != 1.0:
             full.mul_(before)
         if not self.plan.shard_optimizer:
-            kept_full = unit.grad_full
+            kept_full = first.grad_full
             if kept_full is None:
                 raise RuntimeError(
-                    f"rank {self.comm.rank}: unit {unit.index} has no full gradient buffer to all-reduce"
+                    f"rank {self.comm.rank}: unit {first.index} has no full gradient buffer to all-reduce"
                 )
             pending = self.comm.all_reduce(full, what=what)
             kept = kept_full
@@ -251,29 +332,34 @@ class GradientReducer:
                 kept.mul_(after)
 
         else:
-            out = self.pool.take(unit.layout.shard_size, reduce_dtype, full.device)
+            out = self.pool.take(group.layout.chunk, reduce_dtype, full.device)
             pending = self.comm.reduce_scatter(out, full, what=what)
-            accumulate = unit.grad_full is None  # sharded gradients sum over micro-steps
-            pooled = full if unit.grad_full is None else None
+            accumulate = not group.keeps_full  # sharded gradients sum over micro-steps
+            pooled = None if group.keeps_full else full
+            placed = list(zip(group.units, group.layout.offsets, strict=True))
 
             def then() -> None:
-                if accumulate:
-                    unit.grad_shard.add_(out.to(unit.grad_shard.dtype), alpha=after)
-                else:
-                    unit.grad_shard.copy_(out).mul_(after)
+                # Views of ``out`` live only within each statement: the pool reuses ``out`` only if nothing
+                # else refers to its storage.
+                for unit, offset in placed:
+                    n = unit.layout.shard_size
+                    if accumulate:
+                        unit.grad_shard.add_(out.narrow(0, offset, n).to(unit.grad_shard.dtype), alpha=after)
+                    else:
+                        unit.grad_shard.copy_(out.narrow(0, offset, n)).mul_(after)
                 self.pool.give(out)
                 if pooled is not None:
                     self.pool.give(pooled)
 
-        held = full.numel() * full.element_size() if unit.grad_full is None else 0
+        held = 0 if group.keeps_full else full.numel() * full.element_size()
         marker = None
         if self.overlap_comm and held:
-            marker = self.comm.agree_async([self._next], what=f"reduction marker of unit {unit.index}")
+            marker = self.comm.agree_async([self._next], what=f"reduction marker of {names}")
         self._inflight.append((marker, pending, then, held))
         self._inflight_bytes += held
         self._track_bucket_bytes()
-        if self.on_reduced is not None:
-            self.on_reduced(unit)
+        for unit in group.units:
+            self._hand_over(unit)
         if not self.overlap_comm:
             self.wait_all()
         self._retire_safely()

@@ -9,8 +9,8 @@ Between uses a stage-3 unit holds only this rank's master shard; its parameters 
 * Forward post-hook: release those units (unless another running module still uses them) and, when
   autograd will need them again, hook the module's outputs so that the units are gathered again just before
   the module's backward.
-* A unit is released in backward as soon as its gradients are complete and handed to the reduce-scatter
-  (the reducer calls :meth:`ParameterGatherer.on_reduced`), and at the end of backward at the latest.
+* A unit is released in backward as soon as its gradients are complete and copied into their gradient
+  bucket (the reducer calls :meth:`ParameterGatherer.on_reduced`), and at the end of backward at the latest.
 
 The order in which units are needed is recorded every step; the next step prefetches from it, and a unit
 that the prefetch would gather again at once (the last modules of the forward, first in the backward) is

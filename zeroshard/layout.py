@@ -98,6 +98,58 @@ class FlatLayout:
         return range(offset // self.shard_size, (offset + numel - 1) // self.shard_size + 1)
 
 
+@dataclass(frozen=True)
+class GroupLayout:
+    """Several units' flat spaces in one buffer, rank by rank, so that one reduce-scatter reduces them all.
+
+    [Note: coalesced reduction]
+    Rank ``r``'s chunk of the buffer, ``[r * chunk, (r + 1) * chunk)``, holds shard ``r`` of every unit, end
+    to end in the units' order (unit ``k``'s at ``offsets[k]`` inside the chunk). A reduce-scatter of the
+    whole buffer therefore leaves on rank ``r`` exactly its shard of every unit. With one unit the buffer is
+    that unit's flat space, element for element.
+
+    Invariants: ``padded == world_size * chunk``; ``offsets[k] + shard_sizes[k] <= chunk``.
+    """
+
+    shard_sizes: tuple[int, ...]
+    world_size: int
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        out, acc = [], 0
+        for n in self.shard_sizes:
+            out.append(acc)
+            acc += n
+        return tuple(out)
+
+    @property
+    def chunk(self) -> int:
+        """Elements of each rank's chunk: the sum of the units' shard sizes."""
+        return sum(self.shard_sizes)
+
+    @property
+    def padded(self) -> int:
+        return self.world_size * self.chunk
+
+    def runs(self, k: int, lo: int, hi: int) -> list[tuple[int, int, int]]:
+        """Where the range ``[lo, hi)`` of unit ``k``'s flat space lies in the buffer, as
+        ``(buffer_start, range_start, numel)`` runs (``range_start`` counted from ``lo``), adjacent runs
+        merged."""
+        shard, offset, chunk = self.shard_sizes[k], self.offsets[k], self.chunk
+        runs: list[tuple[int, int, int]] = []
+        pos = lo
+        while pos < hi:
+            rank = pos // shard
+            end = min(hi, (rank + 1) * shard)
+            start = rank * chunk + offset + pos - rank * shard
+            if runs and runs[-1][0] + runs[-1][2] == start:
+                runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + end - pos)
+            else:
+                runs.append((start, pos - lo, end - pos))
+            pos = end
+        return runs
+
+
 def split_into_units(numels: Sequence[int], max_elements: int) -> list[list[int]]:
     """Group consecutive parameters (by index) into units of at most ``max_elements`` elements.
 
