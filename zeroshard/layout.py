@@ -14,6 +14,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from itertools import accumulate
+
+
+def _starts(sizes: Sequence[int]) -> tuple[int, ...]:
+    """Where each of ``sizes`` starts when they are laid end to end from 0."""
+    return tuple(accumulate(sizes, initial=0))[:-1]
 
 
 @dataclass(frozen=True)
@@ -70,11 +76,7 @@ class FlatLayout:
 
     @property
     def offsets(self) -> tuple[int, ...]:
-        out, acc = [], 0
-        for n in self.numels:
-            out.append(acc)
-            acc += n
-        return tuple(out)
+        return _starts(self.numels)
 
     def shard_range(self, rank: int) -> tuple[int, int]:
         """The half-open range ``[start, end)`` of the flat space that ``rank`` owns."""
@@ -116,11 +118,7 @@ class GroupLayout:
 
     @property
     def offsets(self) -> tuple[int, ...]:
-        out, acc = [], 0
-        for n in self.shard_sizes:
-            out.append(acc)
-            acc += n
-        return tuple(out)
+        return _starts(self.shard_sizes)
 
     @property
     def chunk(self) -> int:
