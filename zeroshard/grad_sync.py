@@ -87,6 +87,11 @@ class _Group:
         return self.units[0].grad_full is not None
 
 
+def _zero(bucket: torch.Tensor, runs: list[tuple[int, int, int]]) -> None:
+    for start, _, numel in runs:
+        bucket[start : start + numel].zero_()
+
+
 def _group_units(order: Sequence[FlatUnit], bucket_elements: int) -> list[list[FlatUnit]]:
     """Consecutive units of ``order`` whose transient buckets are reduced together: at most
     ``bucket_elements`` elements per group (a larger unit alone), one reduce dtype and device per group.
@@ -148,7 +153,15 @@ class GradientReducer:
             _Group(g, tuple(us), GroupLayout(tuple(u.layout.shard_size for u in us), comm.world_size))
             for g, us in enumerate(_group_units(order, max(1, bucket_elements)))
         ]
-        self._slot = {u.index: (g.index, k) for g in self.groups for k, u in enumerate(g.units)}
+        self._group_of = {u.index: g.index for g in self.groups for u in g.units}
+        # Where each parameter's gradient, and each unit's padding, lies in its group's bucket: computed once.
+        self._runs: dict[int, list[list[tuple[int, int, int]]]] = {}
+        self._padding: dict[int, list[tuple[int, int, int]]] = {}
+        for group in self.groups:
+            for k, unit in enumerate(group.units):
+                runs = group.layout.runs
+                self._runs[unit.index] = [runs(k, *unit.param_range(i)) for i in range(len(unit.params))]
+                self._padding[unit.index] = runs(k, unit.layout.total, unit.layout.padded)
         self._arrived = [0] * len(self.units)
         self._complete_units = [0] * len(self.groups)
         self._handed = [False] * len(self.units)  # on_reduced called in this backward
@@ -198,10 +211,10 @@ class GradientReducer:
         self._next = 0
 
     def _accumulate(self, unit: FlatUnit, i: int, grad: torch.Tensor) -> None:
-        lo, hi = unit.param_range(i)
         flat = grad.reshape(-1)
-        g, k = self._slot[unit.index]
+        g = self._group_of[unit.index]
         if unit.grad_full is not None:
+            lo, hi = unit.param_range(i)
             unit.grad_full[lo:hi].add_(flat)
         else:
             group = self.groups[g]
@@ -210,7 +223,7 @@ class GradientReducer:
                 bucket = self._new_bucket(group)
                 self._buckets[g] = bucket
                 self._track_bucket_bytes()
-            for start, offset, numel in group.layout.runs(k, lo, hi):
+            for start, offset, numel in self._runs[unit.index][i]:
                 bucket[start : start + numel].copy_(flat[offset : offset + numel])
             self._filled[unit.index].append(i)
         unit.has_grad[i] = True
@@ -229,22 +242,17 @@ class GradientReducer:
         ranges are written as their gradients arrive, and :meth:`_complete` zeroes the ones that did not."""
         first = group.units[0]
         bucket = self.pool.take(group.layout.padded, self.comm_dtype(first), first.full.device)
-        for k, unit in enumerate(group.units):
-            self._zero(bucket, group, k, unit.layout.total, unit.layout.padded)
+        for unit in group.units:
+            _zero(bucket, self._padding[unit.index])
             self._filled[unit.index] = []
         return bucket
 
-    @staticmethod
-    def _zero(bucket: torch.Tensor, group: _Group, k: int, lo: int, hi: int) -> None:
-        for start, _, numel in group.layout.runs(k, lo, hi):
-            bucket[start : start + numel].zero_()
-
     def _complete(self, group: _Group, bucket: torch.Tensor) -> None:
         """Zero the ranges of ``bucket`` that no gradient was written into in this backward."""
-        for k, unit in enumerate(group.units):
+        for unit in group.units:
             filled = set(self._filled.pop(unit.index, []))
             for i in sorted(set(range(len(unit.params))) - filled):
-                self._zero(bucket, group, k, *unit.param_range(i))
+                _zero(bucket, self._runs[unit.index][i])
 
     def _hand_over(self, unit: FlatUnit) -> None:
         if not self._handed[unit.index]:
