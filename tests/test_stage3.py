@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 from typing import Any
 
 import pytest
@@ -41,6 +42,11 @@ def _step(engine: Any, rank: int) -> None:
     x = torch.randn(2, WIDTH, generator=torch.Generator().manual_seed(rank))
     engine.backward(engine(x).pow(2).mean())
     engine.step()
+
+
+def _record_release(log: list[int], stats: Any, release: Any, unit: Any) -> None:
+    log.append(stats.calls_by_op["reduce_scatter"])
+    release(unit)
 
 
 def volume_and_memory(rank: int, world_size: int) -> dict[str, Any]:
@@ -104,11 +110,18 @@ def volume_and_memory(rank: int, world_size: int) -> dict[str, Any]:
         )
         _step(engine, rank)
         engine.comm.stats.reset()
+        # Each unit's parameters are released once its own gradients are in the bucket: how many
+        # reduce-scatters had been launched at each release.
+        released: list[int] = []
+        engine.reducer.on_reduced = functools.partial(
+            _record_release, released, engine.comm.stats, engine.reducer.on_reduced
+        )
         _step(engine, rank)
         out[f"grouped{bucket_blocks}"] = (
             dict(engine.comm.stats.calls_by_op),
             engine.comm.stats.total_bytes == 3 * 4 * sum(u.layout.padded for u in engine.units),
             [len(g.units) for g in engine.reducer.groups],
+            released,
         )
     return out
 
@@ -136,8 +149,11 @@ def test_three_psi_and_bounded_gathered_memory(world_size: int) -> None:
         per_step = result[f"bucket_blocks_prefetch{prefetch}"]  # sorted
         assert per_step[3] <= 5.01, per_step
     # Backward order: the head, then blocks 8..1 in threes (the head's size) or twos (the bucket size).
-    assert result["groupedNone"] == ({"all_gather": 18, "reduce_scatter": 4}, True, [1, 3, 3, 2])
-    assert result["grouped2"] == ({"all_gather": 18, "reduce_scatter": 5}, True, [1, 2, 2, 2, 2])
+    # A unit is released before its group's reduce-scatter is launched, not after (the head's group first).
+    released = [0, 1, 1, 1, 2, 2, 2, 3, 3]
+    assert result["groupedNone"] == ({"all_gather": 18, "reduce_scatter": 4}, True, [1, 3, 3, 2], released)
+    released = [0, 1, 1, 2, 2, 3, 3, 4, 4]
+    assert result["grouped2"] == ({"all_gather": 18, "reduce_scatter": 5}, True, [1, 2, 2, 2, 2], released)
     for prefetch in (False, True):
         steps = result[f"pool_steps_prefetch{prefetch}"]
         assert all(raised for missed, raised in steps if missed), steps  # no churn
