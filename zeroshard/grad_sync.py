@@ -41,6 +41,7 @@ never waited for. Every rank launches the same markers in the same order (one pe
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -50,7 +51,7 @@ from torch.utils.hooks import RemovableHandle
 from zeroshard.buffers import BufferPool
 from zeroshard.comm import Agreement, Comm, Pending
 from zeroshard.flat_param import FlatUnit
-from zeroshard.layout import GroupLayout
+from zeroshard.layout import GroupLayout, split_into_units
 from zeroshard.stages import StagePlan
 
 # With overlap_comm, how many group reductions may stay in flight while backward goes on, beyond which the
@@ -92,28 +93,24 @@ def _zero(bucket: torch.Tensor, runs: list[tuple[int, int, int]]) -> None:
         bucket[start : start + numel].zero_()
 
 
+def _reduction_kind(unit: FlatUnit) -> tuple[bool, torch.dtype, torch.device]:
+    """Units of one kind can share a bucket: transient buckets (not kept full gradients), one reduce dtype,
+    one device."""
+    return unit.grad_full is not None, unit.policy.reduce, unit.full.device
+
+
 def _group_units(order: Sequence[FlatUnit], bucket_elements: int) -> list[list[FlatUnit]]:
     """Consecutive units of ``order`` whose transient buckets are reduced together: at most
     ``bucket_elements`` elements per group (a larger unit alone), one reduce dtype and device per group.
     Units that keep full gradients are reduced alone."""
     groups: list[list[FlatUnit]] = []
-    size = 0
-    for unit in order:
-        last = groups[-1][-1] if groups else None
-        joins = (
-            last is not None
-            and last.grad_full is None
-            and unit.grad_full is None
-            and unit.policy.reduce == last.policy.reduce
-            and unit.full.device == last.full.device
-            and size + unit.layout.padded <= bucket_elements
-        )
-        if joins:
-            groups[-1].append(unit)
-            size += unit.layout.padded
+    for (keeps_full, _, _), same in itertools.groupby(order, key=_reduction_kind):
+        run = list(same)
+        if keeps_full:
+            groups += [[u] for u in run]
         else:
-            groups.append([unit])
-            size = unit.layout.padded
+            split = split_into_units([u.layout.padded for u in run], bucket_elements)
+            groups += [[run[i] for i in indices] for indices in split]
     return groups
 
 
@@ -157,7 +154,7 @@ class GradientReducer:
         # Where each parameter's gradient, and each unit's padding, lies in its group's bucket: computed once.
         self._runs: dict[int, list[list[tuple[int, int, int]]]] = {}
         self._padding: dict[int, list[tuple[int, int, int]]] = {}
-        for group in self.groups:
+        for group in (g for g in self.groups if not g.keeps_full):
             for k, unit in enumerate(group.units):
                 runs = group.layout.runs
                 self._runs[unit.index] = [runs(k, *unit.param_range(i)) for i in range(len(unit.params))]
