@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from zeroshard.core import saved_views
 from zeroshard.core.comm import Comm
 from zeroshard.core.flat_param import FlatUnit
 from zeroshard.core.hooks import ParameterGatherer
@@ -85,6 +86,9 @@ class GatheredParameters:
                 by_gatherer.setdefault(id(gatherer), (gatherer, []))[1].append(unit)
         for gatherer, units in by_gatherer.values():
             self._stack.enter_context(gatherer.hold(units))
+        if by_gatherer:
+            # Saves inside the block keep the parameter objects (see [Note: saved views]).
+            self._stack.enter_context(saved_views.suspended())
         return self
 
     def __exit__(

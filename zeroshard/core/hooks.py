@@ -332,7 +332,13 @@ class ParameterGatherer:
                 if write_back:
                     unit.copy_full_to_master()
                 self._users[unit.index] -= 1
-                if self._users[unit.index] == 0:
+                # In backward, a unit whose gradients are still to come stays gathered until they are
+                # reduced (on_reduced) or backward ends: autograd lays each gradient out like its
+                # parameter's data, so that data must still be full when the gradient lands (a custom
+                # Function that gathers its saved weight in backward returns that weight's gradient
+                # after leaving the block).
+                pending = self._in_backward and unit.index not in self._done
+                if self._users[unit.index] == 0 and not pending:
                     unit.release()
 
     def begin_backward(self) -> None:
