@@ -66,6 +66,8 @@ Z3_AUTO = _zero(
     stage3_gather_16bit_weights_on_model_save=True,
     sub_group_size=1e9,
 )
+Z3_NO_GATHER = copy.deepcopy(Z3)
+Z3_NO_GATHER["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = False
 Z3_OFFLOAD = copy.deepcopy(Z3)
 Z3_OFFLOAD["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
 Z3_OFFLOAD["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": True}
@@ -194,6 +196,7 @@ def test_trainer_zero2_zero3_equal_ddp_then_resume(tmp_path: Path, pretrained: P
         case("ddp_resumed", None, resume_from=str(tmp_path / "ddp" / "checkpoint-3")),
         case("z2_resumed", Z2, resume_from=str(tmp_path / "z2" / "checkpoint-3")),
         case("z3_resumed", Z3, resume_from=str(tmp_path / "z3" / "checkpoint-3"), **pre),
+        case("z3_no_gather", Z3_NO_GATHER, **pre),
     ]
     resumed = _launch(tmp_path, "second", second, launcher="zeroshard launch")
     for name, whole in [("ddp_resumed", "ddp"), ("z2_resumed", "z2"), ("z3_resumed", "z3")]:
@@ -201,6 +204,16 @@ def test_trainer_zero2_zero3_equal_ddp_then_resume(tmp_path: Path, pretrained: P
         # log_history carries steps 1-3 over from the checkpoint's trainer_state.json; 4-6 are new.
         _close(resumed[name]["losses"], results[whole]["losses"], 1e-5)
         _weights_close(tmp_path / f"{name}-final", tmp_path / f"{whole}-final", 1e-5)
+    # ZeRO-3 without stage3_gather_16bit_weights_on_model_save: save_model writes a checkpoint (as with
+    # DeepSpeed), from which the offline reader gives the trained weights.
+    from zeroshard.checkpoint import get_fp32_state_dict
+
+    consolidated = get_fp32_state_dict(str(tmp_path / "z3_no_gather-final"))
+    want = load_file(str(tmp_path / "ddp_pre-final" / "model.safetensors"))
+    assert sorted(consolidated) == sorted(want)
+    for key, value in want.items():
+        err = ((consolidated[key] - value).abs().max() / value.abs().max()).item()
+        assert err <= 1e-4, (key, err)
 
 
 def test_trainer_lora_bf16_and_trl_sft(tmp_path: Path, pretrained: Path) -> None:
