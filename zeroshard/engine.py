@@ -343,6 +343,12 @@ class ZeroshardEngine(DeepSpeedSurface):
         with self.gatherer.hold_all():
             yield
 
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The module's state dict with full tensors (copies, in the module's dtype, on its device), on every
+        rank. Collective at stage 3: call on all ranks (see [Note: local state_dict] in zero.py)."""
+        with self.gathered_parameters():
+            return {key: value.detach().clone() for key, value in self.module.state_dict().items()}
+
     # -- queries -------------------------------------------------------------------------------------
     def get_lr(self) -> list[float]:
         if self.optimizer is None:
