@@ -108,8 +108,11 @@ class ZeroshardEngine(DeepSpeedSurface):
     def _forward(self, args: Any, kwargs: Any) -> Any:
         if self.gatherer is None:
             return self.module(*args, **kwargs)
+        # The first forwards watch for parameters used outside their module: eager, also when compiled.
+        stance = "force_eager" if self.gatherer.discovering else "default"
         try:
-            output = self.module(*args, **kwargs)
+            with torch.compiler.set_stance(stance):
+                output = self.module(*args, **kwargs)
         except RuntimeError as err:
             # Keep torch's exception (type and traceback: `except torch.OutOfMemoryError` must still work);
             # only add what a stage-3 shape error most often means.
