@@ -28,7 +28,12 @@ import torch
 from lightning.pytorch.strategies import DeepSpeedStrategy, StrategyRegistry
 
 from zeroshard.checkpoint import get_fp32_state_dict
-from zeroshard.integrations.lightning import NO_EFFECT, STRATEGY_NAMES, ZeroshardStrategy
+from zeroshard.integrations.lightning import (
+    NO_EFFECT,
+    STRATEGY_NAMES,
+    ZeroshardStrategy,
+    convert_zero_checkpoint_to_fp32_state_dict,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "integration_scripts" / "lightning_train.py"
@@ -103,18 +108,25 @@ def _assert_close_weights(got: dict[str, torch.Tensor], want: dict[str, torch.Te
 def _check_case(tmp_path: Path, strategy: str, ddp: dict[str, Any], *, alias: bool) -> dict[str, Any]:
     """Train, compare with DDP, resume from the epoch-1 checkpoint, compare with the uninterrupted run."""
     run = _train(tmp_path / "full", strategy, alias=alias)
+    _check_against_ddp(run, ddp, strategy)
+    _check_resume(tmp_path, run, strategy, alias=alias)
+    return run
+
+
+def _check_against_ddp(run: dict[str, Any], ddp: dict[str, Any], strategy: str) -> None:
     assert len(run["losses"][0]) == 3 * LOSSES_PER_EPOCH
     for rank in (0, 1):
         assert run["losses"][rank] == pytest.approx(ddp["losses"][rank], rel=REL), f"{strategy} rank {rank}"
     _assert_close_weights(run["weights"], ddp["weights"], f"{strategy} final weights vs DDP")
     assert run["summary"]["total"] == ddp["summary"]["total"] == 172
 
+
+def _check_resume(tmp_path: Path, run: dict[str, Any], strategy: str, *, alias: bool) -> None:
     resumed = _train(tmp_path / "resumed", strategy, alias=alias, resume_from=run["dir"])
     for rank in (0, 1):
         assert resumed["losses"][rank] == run["losses"][rank][-LOSSES_PER_EPOCH:], f"resumed rank {rank}"
     for key, value in run["weights"].items():
         assert torch.equal(resumed["weights"][key], value), f"{strategy} resumed: {key}"
-    return run
 
 
 # -- Lightning's own DeepSpeed strategies under the alias -------------------------------------------------
@@ -163,11 +175,74 @@ def test_standalone_pytorch_lightning_under_alias(tmp_path: Path, ddp: dict[str,
 # -- ZeroshardStrategy, no alias ----------------------------------------------------------------------------
 
 
+@pytest.fixture(scope="module")
+def zeroshard_stage_3(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return _train(tmp_path_factory.mktemp("zs3") / "full", "zeroshard_stage_3")
+
+
 @pytest.mark.timeout(400)
-def test_zeroshard_stage_3_strategy(tmp_path: Path, ddp: dict[str, Any]) -> None:
-    run = _check_case(tmp_path, "zeroshard_stage_3", ddp, alias=False)
+def test_zeroshard_stage_3_strategy(
+    tmp_path: Path, ddp: dict[str, Any], zeroshard_stage_3: dict[str, Any]
+) -> None:
+    run = zeroshard_stage_3
+    _check_against_ddp(run, ddp, "zeroshard_stage_3")
+    _check_resume(tmp_path, run, "zeroshard_stage_3", alias=False)
     assert run["info"] == {"strategy": "ZeroshardStrategy", "deepspeed": None}  # never imported
     assert run["summary"]["type"] == "DeepSpeedSummary"
+
+
+@pytest.mark.timeout(300)
+def test_zeroshard_single_file_checkpoint(tmp_path: Path, zeroshard_stage_3: dict[str, Any]) -> None:
+    run = zeroshard_stage_3
+    # one Lightning checkpoint file from the sharded directory: the final weights exactly, Lightning's state
+    single = tmp_path / "final.ckpt"
+    convert_zero_checkpoint_to_fp32_state_dict(run["dir"] / "ckpt" / "epoch=2.ckpt", single)
+    checkpoint = torch.load(single, weights_only=False)
+    assert checkpoint["epoch"] == 2 and checkpoint["global_step"] == 6
+    for key, value in run["weights"].items():
+        assert torch.equal(checkpoint["state_dict"][key], value), key
+
+    # validate from that file under ZeRO-3 with load_full_weights=True: each rank's losses are those of
+    # the final weights on its DistributedSampler rows (rank r: rows r, r+2, ..., batches of 4)
+    out = tmp_path / "validate"
+    out.mkdir()
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    args = ["--strategy", "zeroshard_stage_3", "--out", str(out), "--validate-full-weights", str(single)]
+    done = subprocess.run(
+        [*command, str(SCRIPT), *args],
+        cwd=out,
+        env=_env(False, "lightning.pytorch"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stdout[-8000:]
+    model, x, y = _reference_model_and_data(run["weights"])
+    for rank in (0, 1):
+        rows = torch.arange(rank, len(x), 2)
+        with torch.no_grad():
+            want = [
+                torch.nn.functional.mse_loss(model(x[rows[i : i + 4]]), y[rows[i : i + 4]]).item()
+                for i in range(0, len(rows), 4)
+            ]
+        got = json.loads((out / f"losses_rank{rank}.json").read_text())
+        assert got == pytest.approx(want, rel=1e-6), f"validate rank {rank}"
+
+
+def _reference_model_and_data(
+    weights: dict[str, torch.Tensor],
+) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import lightning_train
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    module = lightning_train.TinyRegression()
+    module.configure_model()
+    module.load_state_dict(weights)
+    x, y = module.train_dataloader().dataset.tensors
+    return module, x, y
 
 
 @pytest.mark.timeout(400)

@@ -13,7 +13,10 @@ checkpoint at the end of every epoch through ``ModelCheckpoint``. Writes, to OUT
 * ``ckpt/epoch={e}.ckpt``: Lightning's checkpoints (a file for DDP, a directory for DeepSpeed strategies).
 
 ``LIGHTNING_PACKAGE=pytorch_lightning`` runs it on the standalone ``pytorch_lightning`` package.
-With ``--resume-epoch E`` it resumes from ``--resume-dir/epoch=E.ckpt`` instead of starting fresh.
+With ``--resume-epoch E`` it resumes from ``--resume-dir/epoch=E.ckpt`` instead of starting fresh. With
+``--validate-full-weights FILE`` it only runs ``trainer.validate`` (every training batch, per-rank losses
+to ``losses_rank{r}.json``) from a single-file checkpoint under ``ZeroshardStrategy(stage=3,
+load_full_weights=True)``.
 
 ``--cpu-deepspeed`` is what a CPU-only machine needs for Lightning's own ``deepspeed_*`` strategies, with
 real DeepSpeed as with zeroshard: Lightning refuses them on any accelerator but CUDA
@@ -71,6 +74,13 @@ class TinyRegression(L.LightningModule):
         self.losses.append(loss.item())
         return loss
 
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        self.losses.append(nn.functional.mse_loss(self(x), y).item())
+
+    def val_dataloader(self) -> DataLoader:
+        return self.train_dataloader()
+
     def configure_optimizers(self) -> Any:
         return torch.optim.AdamW(self.parameters(), lr=0.02, weight_decay=0.01)
 
@@ -123,6 +133,18 @@ class RecordSummary(ModelSummary):
             (self.out / "summary.json").write_text(json.dumps(report))
 
 
+def _validate(args: argparse.Namespace, model: TinyRegression) -> None:
+    """``trainer.validate`` from one consolidated checkpoint file, loaded into ZeRO-3 shards."""
+    from zeroshard.integrations.lightning import ZeroshardStrategy
+
+    strategy = ZeroshardStrategy(stage=3, load_full_weights=True)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=strategy, logger=False, enable_progress_bar=False
+    )
+    trainer.validate(model, ckpt_path=str(args.validate_full_weights))
+    (args.out / f"losses_rank{trainer.global_rank}.json").write_text(json.dumps(model.losses))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--strategy", required=True)
@@ -130,6 +152,7 @@ def main() -> None:
     parser.add_argument("--resume-dir", type=Path)
     parser.add_argument("--resume-epoch", type=int)
     parser.add_argument("--cpu-deepspeed", action="store_true")
+    parser.add_argument("--validate-full-weights", type=Path, help="a single-file checkpoint to validate")
     args = parser.parse_args()
     if args.cpu_deepspeed:
         _allow_cpu_for_lightning_deepspeed()
@@ -138,11 +161,15 @@ def main() -> None:
 
     L.seed_everything(0, workers=True)
     model = TinyRegression()
+    if args.validate_full_weights is not None:
+        _validate(args, model)
+        return
     trainer = L.Trainer(
         accelerator="cpu",
         devices=2,
         strategy=args.strategy,
         max_epochs=EPOCHS,
+        limit_val_batches=0,
         accumulate_grad_batches=2,
         logger=False,
         enable_progress_bar=False,

@@ -44,9 +44,10 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 import zeroshard.deepspeed as zs_deepspeed
+from zeroshard.checkpoint import get_fp32_state_dict, open_checkpoint
 from zeroshard.core.comm import DEFAULT_TIMEOUT
 
-__all__ = ["NO_EFFECT", "STRATEGY_NAMES", "ZeroshardStrategy"]
+__all__ = ["NO_EFFECT", "STRATEGY_NAMES", "ZeroshardStrategy", "convert_zero_checkpoint_to_fp32_state_dict"]
 
 logger = logging.getLogger(__name__)
 
@@ -336,6 +337,27 @@ class ZeroshardStrategy(DeepSpeedStrategy):
         for name, (description, init_params) in STRATEGY_NAMES.items():
             if name not in strategy_registry or strategy_registry[name]["strategy"] is not cls:
                 strategy_registry.register(name, cls, description=description, override=True, **init_params)
+
+
+def convert_zero_checkpoint_to_fp32_state_dict(
+    checkpoint_dir: _PATH, output_file: _PATH, tag: str | None = None
+) -> dict[str, Any]:
+    """One Lightning checkpoint file from the sharded checkpoint directory Lightning saved with zeroshard.
+
+    Lightning's function of the same name (``lightning.pytorch.utilities.deepspeed``) reads DeepSpeed's file
+    layout; this one reads zeroshard's, written by ``ZeroshardStrategy`` or by Lightning's ``deepspeed_*``
+    strategies under the alias. ``checkpoint_dir`` is what ``trainer.save_checkpoint`` / ``ModelCheckpoint``
+    wrote (e.g. ``epoch=2.ckpt/``, holding ``latest`` and the tag ``checkpoint``). The file holds the fp32
+    ``state_dict`` (from the master weights) and Lightning's other entries (epoch, loops, callbacks,
+    hyper-parameters), but no optimizer state: it loads with ``LightningModule.load_from_checkpoint``,
+    any strategy's ``ckpt_path=`` for validate / test / predict, or ``ZeroshardStrategy(stage=3,
+    load_full_weights=True)``. No process group is needed. Returns what it wrote.
+    """
+    with open_checkpoint(checkpoint_dir, tag) as reader:
+        client_state = reader.decode(reader.meta.get("client_state", {}))
+    checkpoint = {**client_state, "state_dict": get_fp32_state_dict(checkpoint_dir, tag)}
+    torch.save(checkpoint, output_file)
+    return checkpoint
 
 
 ZeroshardStrategy.register_strategies(StrategyRegistry)
