@@ -20,6 +20,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ import torch
 from lightning.pytorch.strategies import DeepSpeedStrategy, StrategyRegistry
 
 from zeroshard.checkpoint import get_fp32_state_dict
+from zeroshard.config import load_config
 from zeroshard.integrations.lightning import (
     NO_EFFECT,
     STRATEGY_NAMES,
@@ -284,6 +286,20 @@ def test_arguments_without_effect_raise(name: str) -> None:
     with pytest.raises(ValueError, match=name):
         ZeroshardStrategy(**{name: other})
     ZeroshardStrategy(**{name: default})  # the default is what you get anyway: accepted
+
+
+def test_built_configs_load_without_warnings(tmp_path: Path) -> None:
+    """What the strategy names and an NVMe setup build is a ds_config zeroshard takes as it is."""
+    nvme = {"offload_params_device": "nvme", "offload_optimizer_device": "nvme", "nvme_path": str(tmp_path)}
+    cases = [params for _, params in STRATEGY_NAMES.values()]
+    cases.append({"stage": 3, "offload_optimizer": True, "offload_parameters": True, **nvme})
+    for params in cases:
+        config = dict(ZeroshardStrategy(**params).config, train_micro_batch_size_per_gpu=4)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            loaded = load_config(config, world_size=2)
+        assert loaded.zero_optimization.stage == params.get("stage", 2), params
+    assert loaded.aio.intra_op_parallelism == 1  # Lightning's thread_count, under its current name
 
 
 def test_bad_stage_raises() -> None:

@@ -234,7 +234,7 @@ class ZeroshardStrategy(DeepSpeedStrategy):
             cfg["aio"] = aio
         return cfg
 
-    # -- where DeepSpeedStrategy imports deepspeed ------------------------------------------------------
+    # -- CPU as well as CUDA ---------------------------------------------------------------------------
     def setup_environment(self) -> None:
         """Lightning allows its DeepSpeed strategy on CUDA only; zeroshard also trains on CPU (gloo)."""
         if not isinstance(self.accelerator, (CUDAAccelerator, CPUAccelerator)):
@@ -252,6 +252,7 @@ class ZeroshardStrategy(DeepSpeedStrategy):
         self.set_world_ranks()
         self._init_deepspeed_distributed()
 
+    # -- where DeepSpeedStrategy imports deepspeed ------------------------------------------------------
     def _init_deepspeed_distributed(self) -> None:
         """Join the process group through ``zeroshard.deepspeed.init_distributed``. Collective."""
         assert self.cluster_environment is not None
