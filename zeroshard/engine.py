@@ -72,6 +72,8 @@ class ZeroshardEngine(DeepSpeedSurface):
         self.reducer = reducer
         self.sharded_step = sharded_step
         self.optimizer = optimizer
+        if optimizer is not None:
+            optimizer.register_step_pre_hook(self._refuse_direct_step)
         self.lr_scheduler = lr_scheduler
         self.local_rank = local_rank
         self.device = device or torch.device("cpu")  # where the module computes: move inputs here
@@ -174,6 +176,16 @@ class ZeroshardEngine(DeepSpeedSurface):
             self._report_step(lr)
         self.micro_steps += 1
         self._backward_since_step = False
+
+    def _refuse_direct_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """The optimizer steps the master shards inside ``engine.step()`` only, which first reduces, unscales
+        and clips their gradients; stepped directly it would see no gradients and silently change nothing."""
+        if not self.sharded_step.stepping:
+            raise RuntimeError(
+                f"rank {self.comm.rank}: optimizer.step() was called on the optimizer initialize() returned; "
+                "zeroshard updates the parameters in engine.step() (which reduces, unscales and clips the "
+                "gradients first): call engine.step() instead"
+            )
 
     def _take_plain_gradients(self) -> None:
         """PyTorch style, ``loss.backward(); engine.step()``: the gradients are in ``param.grad``.
