@@ -16,10 +16,10 @@ import torch
 from torch import nn
 
 from zeroshard.checkpoint.common import module_names
+from zeroshard.checkpoint.deepspeed_format import AnyReader, open_reader
 from zeroshard.checkpoint.errors import CheckpointError
 from zeroshard.checkpoint.export import DEFAULT_MAX_SHARD_SIZE, write_consolidated
 from zeroshard.checkpoint.format import resolve
-from zeroshard.checkpoint.reader import CheckpointReader
 from zeroshard.checkpoint.tensorfile import TensorSpec
 
 logger = logging.getLogger(__name__)
@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def open_checkpoint(ckpt_dir: str | os.PathLike[str], tag: str | None = None) -> CheckpointReader:
+def open_checkpoint(ckpt_dir: str | os.PathLike[str], tag: str | None = None) -> AnyReader:
     """A reader for ``ckpt_dir`` (a save directory with ``latest``, or a checkpoint directory itself).
 
     Raises:
@@ -37,10 +37,10 @@ def open_checkpoint(ckpt_dir: str | os.PathLike[str], tag: str | None = None) ->
     path = resolve(root, tag)
     if path is None:
         raise CheckpointError(f"{root} has no 'latest' file and no metadata.json: pass the tag to read")
-    return CheckpointReader(path)
+    return open_reader(path)
 
 
-def _tensor_keys(reader: CheckpointReader) -> list[str]:
+def _tensor_keys(reader: AnyReader) -> list[str]:
     """The saved state_dict keys that hold tensors, without aliases, in the module's order."""
     keys = reader.meta.get("state_dict_keys") or [*reader.params, *reader.module_extra]
     return [

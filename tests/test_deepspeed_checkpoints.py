@@ -1,0 +1,212 @@
+"""DeepSpeed ZeRO checkpoints in zeroshard and back (#19), against real DeepSpeed 0.19.8 on CPU.
+
+One DeepSpeed run (tests/ds_scripts/ds_checkpoints.py, two gloo processes) trains the same tiny model at
+stages 1-3 (fp32, and bf16 at stages 1 and 3), saves a checkpoint after 3 steps, trains 3 more and records
+the losses and weights. zeroshard then resumes each checkpoint at world sizes 1, 2 and 4, at the stage it
+was saved with and at another, and must take the same next steps.
+
+DeepSpeed comes from the interpreter $ZEROSHARD_TEST_DEEPSPEED_PYTHON (default: this one, where the dev
+extra installs it); without a real DeepSpeed there the DeepSpeed-generated cases skip, naming why.
+
+Tolerances: fp32 losses and weights <= 1e-5 relative (the runs differ only in reduction order, ~1e-7);
+bf16 runs compute in bf16 with different kernels and cast points, so losses agree to 2e-2 and weights to
+2e-2 of their largest magnitude.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import zeroshard
+from tests.distributed import run_distributed
+from tests.ds_scripts import ds_checkpoints as ds
+from zeroshard.checkpoint import CheckpointError, get_fp32_state_dict, open_checkpoint
+from zeroshard.checkpoint.common import param_shape
+from zeroshard.checkpoint.export import _gather_from_masters
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "tests" / "ds_scripts" / "ds_checkpoints.py"
+STAGES = {name: stage for name, stage, _ in ds.CASES}
+PRECISION = {name: precision for name, _, precision in ds.CASES}
+
+
+def _ds_python() -> str:
+    return os.environ.get("ZEROSHARD_TEST_DEEPSPEED_PYTHON", sys.executable)
+
+
+def _ds_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "ZEROSHARD_AS_DEEPSPEED"}
+    env.update(DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    return env
+
+
+def _real_deepspeed() -> str | None:
+    """None when the interpreter imports a real DeepSpeed; otherwise why not."""
+    probe = "import deepspeed, sys; sys.exit(0 if 'zeroshard' not in deepspeed.__file__ else 3)"
+    done = subprocess.run(
+        [_ds_python(), "-c", probe], env=_ds_env(), capture_output=True, text=True, timeout=120
+    )
+    if done.returncode == 0:
+        return None
+    return f"{_ds_python()} has no real deepspeed (install the dev extra): {done.stderr.strip()[-300:]}"
+
+
+def run_deepspeed(out: Path, resume: Path | None = None) -> None:
+    """tests/ds_scripts/ds_checkpoints.py under DeepSpeed, two gloo ranks on CPU."""
+    args = [_ds_python(), "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    args += [str(SCRIPT), str(out), *([str(resume)] if resume is not None else [])]
+    done = subprocess.run(args, env=_ds_env(), capture_output=True, text=True, timeout=400)
+    if done.returncode != 0:
+        raise AssertionError(
+            f"DeepSpeed run failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+        )
+
+
+@pytest.fixture(scope="module")
+def ds_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    why = _real_deepspeed()
+    if why is not None:
+        pytest.skip(why)
+    out = tmp_path_factory.mktemp("deepspeed")
+    run_deepspeed(out)
+    return out
+
+
+def _result(path: Path) -> dict[str, Any]:
+    return torch.load(path, weights_only=True)  # type: ignore[no-any-return]
+
+
+def masters(engine: zeroshard.ZeroshardEngine) -> dict[str, torch.Tensor]:
+    """Every trained parameter's fp32 master, gathered (collective at stages 1-2)."""
+    return {
+        name: _gather_from_masters(engine, unit, i).reshape(param_shape(unit, i)).clone()
+        for unit in engine.units
+        for i, name in enumerate(unit.names)
+    }
+
+
+def _engine(stage: int, precision: str, world_size: int) -> zeroshard.ZeroshardEngine:
+    model = ds.make_model()
+    engine, *_ = zeroshard.initialize(
+        model=model,
+        model_parameters=[p for p in model.parameters() if p.requires_grad],
+        config=ds.config(stage, precision, world_size),
+    )
+    return engine
+
+
+def _train(engine: zeroshard.ZeroshardEngine, rank: int, world_size: int) -> list[float]:
+    import torch.distributed as dist
+
+    losses = []
+    for step in range(ds.BEFORE, ds.BEFORE + ds.AFTER):
+        x, y = ds.rows(step, rank, world_size)
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        mean = loss.detach().float().clone()
+        dist.all_reduce(mean)
+        losses.append(float(mean) / world_size)
+    return losses
+
+
+def resume_worker(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """Every DeepSpeed checkpoint resumed at its stage and at another: losses, masters, counters."""
+    out: dict[str, Any] = {}
+    for name, stage, precision in ds.CASES:
+        for zstage in (stage, 3 if stage != 3 else 1):
+            engine = _engine(zstage, precision, world_size)
+            path, client = engine.load_checkpoint(os.path.join(root, name, "ckpt"))
+            assert path is not None and path.endswith("global_step3"), path
+            assert client == {"note": "from deepspeed"}, client
+            assert engine.global_steps == ds.BEFORE and engine.global_samples == ds.BEFORE * ds.GLOBAL_ROWS
+            losses = _train(engine, rank, world_size)
+            out[f"{name}@{zstage}"] = {
+                "losses": losses,
+                "masters": {k: v.tolist() for k, v in masters(engine).items()},  # no tensors across the queue
+                "lr": engine.get_lr()[0],
+                "steps": engine.global_steps,
+            }
+    return out
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, rel: float, what: str) -> None:
+    err = float((got.double() - want.double()).abs().max())
+    scale = float(want.double().abs().max())
+    assert err <= rel * scale, f"{what}: max |diff| {err:.3g} > {rel} * {scale:.3g}"
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_deepspeed_checkpoint_resumes_in_zeroshard(ds_dir: Path, world_size: int) -> None:
+    results = run_distributed(resume_worker, world_size, str(ds_dir))[0]
+    for key, got in results.items():
+        name = key.split("@")[0]
+        want = _result(ds_dir / name / "after.pt")
+        rel = 1e-5 if PRECISION[name] == "fp32" else 2e-2
+        _close(torch.tensor(got["losses"]), want["after"], rel, f"{key} W={world_size} losses")
+        for pname, value in got["masters"].items():
+            _close(torch.tensor(value), want["weights"][pname], rel, f"{key} W={world_size} {pname}")
+        assert got["steps"] == int(want["global_steps"])
+        assert got["lr"] == pytest.approx(float(want["lr"]), rel=1e-12)
+
+
+def test_deepspeed_checkpoint_offline(ds_dir: Path, tmp_path: Path) -> None:
+    """get_fp32_state_dict and `zeroshard convert` read DeepSpeed's fp32 masters, tied names included."""
+    from safetensors.torch import load_file
+
+    from zeroshard.cli.convert import main as convert_main
+
+    for name, _, precision in ds.CASES:
+        want = _result(ds_dir / name / "after.pt")["saved_weights"]
+        state = get_fp32_state_dict(ds_dir / name / "ckpt")
+        assert state["head.weight"] is state["emb.weight"]
+        assert state["frozen.weight"].shape == (7, 7) and "scale" in state
+        for pname, value in want.items():
+            if precision == "fp32":
+                assert torch.equal(state[pname], value), pname
+            else:  # DeepSpeed's module holds bf16 copies of the fp32 masters
+                assert torch.equal(state[pname].to(torch.bfloat16).float(), value), pname
+        out = tmp_path / name
+        assert convert_main([str(ds_dir / name / "ckpt"), str(out)]) == 0
+        written = load_file(str(out / "model.safetensors"))
+        model = ds.make_model()
+        model.load_state_dict(written, strict=False)
+        for pname, value in state.items():
+            assert torch.equal(model.state_dict()[pname].float(), value.float()), pname
+
+
+class _Planted:
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.parametrize("where", ["model", "optim"])
+def test_pickle_that_would_run_code_is_refused(tmp_path: Path, where: str) -> None:
+    ckpt = tmp_path / "ckpt"
+    step = ckpt / "global_step1"
+    step.mkdir(parents=True)
+    (ckpt / "latest").write_text("global_step1")
+    marker = tmp_path / "pwned"
+    bad = {"module": {}, "payload": _Planted(str(marker))}
+    good_model = {"module": {"w": torch.zeros(3)}, "param_shapes": [{"w": torch.Size([3])}]}
+    good_optim = {
+        "optimizer_state_dict": {"zero_stage": 1, "single_partition_of_fp32_groups": [torch.zeros(3)]}
+    }
+    torch.save(bad if where == "model" else good_model, step / "mp_rank_00_model_states.pt")
+    torch.save(
+        {"optimizer_state_dict": bad} if where == "optim" else good_optim,
+        step / "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+    )
+    with pytest.raises(CheckpointError, match=r"refused.*system"):
+        open_checkpoint(ckpt)
+    assert not marker.exists()
