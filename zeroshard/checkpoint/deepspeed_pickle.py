@@ -85,8 +85,8 @@ def load_deepspeed_file(path: str) -> Any:
         raise CheckpointError(
             f"{path} was refused: its pickle asks for {what or 'an object'}, which a DeepSpeed checkpoint "
             "does not hold. zeroshard loads DeepSpeed files with torch.load(weights_only=True) and allows "
-            f"only tensors, containers and {', '.join(name for _, name in ALLOWED)}; a file that needs more could "
-            "run code when loaded, so it is not loaded"
+            f"only tensors, containers and {', '.join(name for _, name in ALLOWED)}; a file that needs more "
+            "could run code when loaded, so it is not loaded"
         ) from err
     except (RuntimeError, OSError, EOFError, ValueError) as err:
         raise CheckpointError(f"{path} cannot be read as a torch checkpoint: {err}") from err
