@@ -340,20 +340,20 @@ class DeepSpeedReader:
             self._frozen = {
                 str(n): _shape(s, f"{self.path}: frozen_param_shapes[{n!r}]") for n, s in frozen.items()
             }
+        buffers = self.model_states.get("buffer_names") or []
         out: dict[str, dict[str, Any]] = {}
         for key, value in module.items():
             if key in self.params or key in self.aliases or not isinstance(value, torch.Tensor):
                 continue
+            entry: dict[str, Any] = {"key": key, "dtype": _dtype(value), "shape": tuple(value.shape)}
             if key in self._frozen:
-                out[key] = {"key": key, "dtype": _dtype(value), "shape": self._frozen[key]}
-            elif (
-                self.stage == 3
-                and value.numel() == 0
-                and key not in (self.model_states.get("buffer_names") or [])
-            ):
+                out[key] = {**entry, "shape": self._frozen[key], "parameter": True}
+            elif key in buffers:
+                out[key] = entry
+            elif self.stage == 3 and value.numel() == 0:
                 logger.warning("%s: %r is an empty stage-3 placeholder with no saved values", self.path, key)
             else:
-                out[key] = {"key": key, "dtype": _dtype(value), "shape": tuple(value.shape)}
+                out[key] = {**entry, "parameter": True}  # a frozen parameter, saved whole in the module
         return out
 
     def _meta(self, first: dict[str, Any]) -> dict[str, Any]:
@@ -368,13 +368,21 @@ class DeepSpeedReader:
             "world_size": self.world_size,
             "stage": self.stage,
             "counters": counters,
-            "optimizer": {"param_groups": [{"hyperparameters": g} for g in self._param_groups]},
+            "optimizer": {
+                "param_groups": [
+                    {"hyperparameters": g, "params": [n for n in self.params if self._group_of(n) == gi]}
+                    for gi, g in enumerate(self._param_groups)
+                ]
+            },
             "lr_scheduler": None if ms.get("lr_scheduler") is None else {"state": ms["lr_scheduler"]},
             "loss_scaler": None if scaler is None else {"state": loss_scaler_state(scaler)},
             "client_state": {k: v for k, v in ms.items() if k not in _ENGINE_KEYS},
             "ds_config": ms.get("ds_config"),
             "state_dict_keys": [k for k in (ms.get("module") or {}) if isinstance(k, str)],
         }
+
+    def _group_of(self, name: str) -> int | None:
+        return self.ranges[name][0].group if self.ranges[name] else None
 
     # -- CheckpointReader's interface ---------------------------------------------------------------------
     def canonical(self, name: str) -> str | None:

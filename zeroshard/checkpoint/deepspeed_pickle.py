@@ -38,6 +38,10 @@ class DeepSpeedObject:
     def __setstate__(self, state: Any) -> None:
         self.state = dict(state) if isinstance(state, dict) else {"state": state}
 
+    def __getstate__(self) -> dict[str, Any]:
+        """What pickling writes: the recorded attributes, as DeepSpeed's own object would pickle them."""
+        return dict(getattr(self, "state", {}))
+
     def get(self, key: str, default: Any = None) -> Any:
         return getattr(self, "state", {}).get(key, default)
 
