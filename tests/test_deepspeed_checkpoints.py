@@ -3,7 +3,7 @@
 One DeepSpeed run (tests/ds_scripts/ds_checkpoints.py, two gloo processes) trains the same tiny model at
 stages 1-3 (fp32, and bf16 at stages 1 and 3), saves a checkpoint after 3 steps, trains 3 more and records
 the losses and weights. zeroshard then resumes each checkpoint at world sizes 1, 2 and 4, at the stage it
-was saved with and at another, and must take the same next steps.
+was saved with (at W=2) and at another (at W=1 and W=4), and must take the same next steps.
 
 DeepSpeed comes from the interpreter $ZEROSHARD_TEST_DEEPSPEED_PYTHON (default: this one, where the dev
 extra installs it); without a real DeepSpeed there the DeepSpeed-generated cases skip, naming why.
@@ -118,10 +118,11 @@ def _train(engine: zeroshard.ZeroshardEngine, rank: int, world_size: int) -> lis
 
 
 def resume_worker(rank: int, world_size: int, root: str) -> dict[str, Any]:
-    """Every DeepSpeed checkpoint resumed at its stage and at another: losses, masters, counters."""
+    """Every DeepSpeed checkpoint resumed in zeroshard: the next steps' losses, masters and counters."""
     out: dict[str, Any] = {}
     for name, stage, precision in ds.CASES:
-        for zstage in (stage, 3 if stage != 3 else 1):
+        # At W=2 (as saved) the stage it was saved with, elsewhere another one: every move is covered.
+        for zstage in [stage if world_size == 2 else stage % 3 + 1]:
             engine = _engine(zstage, precision, world_size)
             path, client = engine.load_checkpoint(os.path.join(root, name, "ckpt"))
             assert path is not None and path.endswith("global_step3"), path
@@ -210,3 +211,55 @@ def test_pickle_that_would_run_code_is_refused(tmp_path: Path, where: str) -> No
     with pytest.raises(CheckpointError, match=r"refused.*system"):
         open_checkpoint(ckpt)
     assert not marker.exists()
+
+
+def save_worker(rank: int, world_size: int, root: str, out: str) -> None:
+    """Each DeepSpeed checkpoint loaded at another stage and world size, saved in zeroshard's format."""
+    for name, stage, precision in ds.CASES:
+        engine = _engine(3 if stage != 3 else 2, precision, world_size)
+        engine.load_checkpoint(os.path.join(root, name, "ckpt"))
+        engine.save_checkpoint(os.path.join(out, name), client_state={"note": "from zeroshard"})
+
+
+def test_zeroshard_checkpoint_resumes_in_deepspeed(ds_dir: Path, tmp_path: Path) -> None:
+    """DeepSpeed -> zeroshard at W=4 (another stage) -> zeroshard's checkpoint -> `zeroshard convert --to
+    deepspeed` for W=2 at DeepSpeed's stage -> DeepSpeed resumes and takes DeepSpeed's own next steps."""
+    from zeroshard.cli.convert import main as convert_main
+
+    native, back = tmp_path / "native", tmp_path / "back"
+    run_distributed(save_worker, 4, str(ds_dir), str(native))
+    for name, stage, _ in ds.CASES:
+        args = [str(native / name), str(back / name / "ckpt"), "--to", "deepspeed"]
+        assert convert_main([*args, "--world-size", "2", "--stage", str(stage)]) == 0
+    run_deepspeed(back, resume=back)
+    for name, _, _ in ds.CASES:
+        want, got = _result(ds_dir / name / "after.pt"), _result(back / name / "resumed.pt")
+        assert got["note"] == "from zeroshard"
+        _close(got["after"], want["after"], 1e-5, f"{name} losses in DeepSpeed")
+        for pname, value in want["weights"].items():
+            _close(got["weights"][pname], value, 1e-5, f"{name} {pname} in DeepSpeed")
+        assert int(got["global_steps"]) == int(want["global_steps"])
+        assert float(got["lr"]) == pytest.approx(float(want["lr"]), rel=1e-12)
+
+
+def test_deepspeed_written_checkpoint_reads_back(ds_dir: Path, tmp_path: Path) -> None:
+    """DeepSpeed -> DeepSpeed at another world size (zeroshard as the offline resharder): every master and
+    moment equal to the source's, and zeroshard reads its own output."""
+    from zeroshard.checkpoint.deepspeed_writer import write_deepspeed_checkpoint
+
+    for name, stage, _ in ds.CASES:
+        for world_size, out_stage in [(3, stage), (1, 3 if stage != 3 else 1)]:
+            out = tmp_path / f"{name}-{world_size}"
+            with open_checkpoint(ds_dir / name / "ckpt") as src:
+                write_deepspeed_checkpoint(src, out, world_size=world_size, stage=out_stage)
+            with open_checkpoint(ds_dir / name / "ckpt") as src, open_checkpoint(out) as dst:
+                assert dst.world_size == world_size and dst.stage == out_stage
+                assert dst.aliases == src.aliases and list(dst.params) == list(src.params)
+                for pname in src.params:
+                    n = src.numel(pname)
+                    assert torch.equal(dst.read_range(pname, 0, n), src.read_range(pname, 0, n)), pname
+                    for key in ("exp_avg", "exp_avg_sq"):
+                        assert torch.equal(dst.read_state(pname, 0, n, key), src.read_state(pname, 0, n, key))
+                    assert float(dst.read_state(pname, 0, n, "step")) == ds.BEFORE
+                for key in src.module_extra:
+                    assert torch.equal(dst.read_full(key), src.read_full(key)), key

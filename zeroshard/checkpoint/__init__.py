@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from zeroshard.checkpoint.convert import (
     convert_checkpoint,
+    convert_to_deepspeed,
     get_fp32_state_dict,
     load_state_dict_from_checkpoint,
     open_checkpoint,
@@ -21,6 +22,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointReader",
     "convert_checkpoint",
+    "convert_to_deepspeed",
     "get_fp32_state_dict",
     "load_checkpoint",
     "load_consolidated",

@@ -143,3 +143,34 @@ def convert_checkpoint(
                 json.dump(hf_config, f, indent=2)
     logger.info("converted %s to %s (%d weight files)", reader.path, out, len(names))
     return names
+
+
+def convert_to_deepspeed(
+    ckpt_dir: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    tag: str | None = None,
+    world_size: int | None = None,
+    stage: int | None = None,
+) -> str:
+    """Write a checkpoint (zeroshard's or DeepSpeed's) as a DeepSpeed ZeRO checkpoint in ``out_dir``, for
+    ``world_size`` ranks at ``stage`` (default: those it was saved with), one rank at a time; see
+    deepspeed_writer.py. Returns the checkpoint directory written (``out_dir/<tag>``).
+
+    Raises:
+        ValueError: no stage given for a stage-0 checkpoint, or ``world_size``/``stage`` out of range.
+    """
+    from zeroshard.checkpoint.deepspeed_writer import write_deepspeed_checkpoint
+
+    with open_checkpoint(ckpt_dir, tag) as reader:
+        saved_stage = int(reader.meta.get("stage", 0))
+        if stage is None and saved_stage == 0:
+            raise ValueError(
+                f"{reader.path} was saved at stage 0; DeepSpeed ZeRO checkpoints are stage 1, 2 or 3: "
+                "pass stage="
+            )
+        return write_deepspeed_checkpoint(
+            reader,
+            out_dir,
+            world_size=world_size if world_size is not None else int(reader.meta["world_size"]),
+            stage=stage if stage is not None else saved_stage,
+        )
