@@ -1,11 +1,12 @@
 """Real DeepSpeed checkpoints for tests/test_deepspeed_checkpoints.py, and what DeepSpeed does after them.
 
-Run under DeepSpeed (``python -m torch.distributed.run --nproc_per_node 2 ds_checkpoints.py OUT [RESUME]``,
-DS_ACCELERATOR=cpu, gloo). For every case in ``CASES`` it trains ``BEFORE`` steps on fixed data, saves a
-checkpoint to ``OUT/<case>/ckpt``, trains ``AFTER`` more steps and writes the global mean losses and the
-final fp32 weights to ``OUT/<case>/after.pt``. With ``RESUME`` (a directory holding ``<case>/ckpt``
-checkpoints written by zeroshard in DeepSpeed's format), it instead loads each of those into a fresh engine
-and writes ``OUT/<case>/resumed.pt``: the same ``AFTER`` steps as DeepSpeed takes from its own checkpoint.
+Run under DeepSpeed (``python -m torch.distributed.run --standalone --nproc_per_node 2 ds_checkpoints.py
+OUT [RESUME]``, DS_ACCELERATOR=cpu, gloo). For every case in ``CASES`` (stages 0-3) it trains ``BEFORE``
+steps on fixed data, saves a checkpoint to ``OUT/<case>/ckpt``, trains ``AFTER`` more steps and writes the
+global mean losses and the weights (at the save and at the end) to ``OUT/<case>/after.pt``. With
+``RESUME`` (a directory holding ``<case>/ckpt`` checkpoints written by zeroshard in DeepSpeed's format),
+it instead loads each of those into a fresh engine and writes ``OUT/<case>/resumed.pt``: the same
+``AFTER`` steps as DeepSpeed takes from its own checkpoint.
 
 The model, data and config are plain torch and JSON, shared with the zeroshard side of the test: rank r of
 W takes rows ``[r*8/W, (r+1)*8/W)`` of each 8-row global batch, so every world size sees the same data.
@@ -25,9 +26,11 @@ BEFORE = 3
 AFTER = 3
 # (name, stage, precision): the fp32 cases are the ones compared at 1e-5.
 CASES = [
+    ("z0", 0, "fp32"),
     ("z1", 1, "fp32"),
     ("z2", 2, "fp32"),
     ("z3", 3, "fp32"),
+    ("z0_bf16", 0, "bf16"),
     ("z1_bf16", 1, "bf16"),
     ("z3_bf16", 3, "bf16"),
 ]
@@ -148,6 +151,8 @@ def main(out: str, resume: str | None) -> None:
 
     deepspeed.init_distributed(dist_backend="gloo")
     for name, stage, precision in CASES:
+        if resume is not None and not os.path.isdir(os.path.join(resume, name)):
+            continue  # not written back (stage 0)
         case = os.path.join(out, name)
         os.makedirs(case, exist_ok=True)
         engine = _engine(stage, precision)

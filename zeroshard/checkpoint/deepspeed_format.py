@@ -31,16 +31,24 @@ import logging
 import math
 import os
 import re
-from dataclasses import dataclass, field, replace
 from types import TracebackType
 from typing import Any, TypeAlias
 
 import torch
 
+from zeroshard.checkpoint.deepspeed_index import (
+    DeepSpeedRange,
+    IndexBuilder,
+    as_int,
+    as_shape,
+    base_state,
+    stage0_masters,
+    stage0_optimizer,
+)
 from zeroshard.checkpoint.deepspeed_pickle import DeepSpeedObject, load_deepspeed_file
 from zeroshard.checkpoint.errors import CheckpointError
 from zeroshard.checkpoint.format import METADATA_FILE, confined, read_latest
-from zeroshard.checkpoint.reader import SCALAR, VECTOR, CheckpointReader
+from zeroshard.checkpoint.reader import VECTOR, CheckpointReader
 
 logger = logging.getLogger(__name__)
 
@@ -80,35 +88,8 @@ def resolve_deepspeed(load_dir: str, tag: str | None) -> str | None:
     return path if is_deepspeed_checkpoint(path) else None
 
 
-@dataclass(frozen=True)
-class DeepSpeedRange:
-    """Elements ``[start, end)`` of one parameter, held by rank file ``file`` in its flat group ``flat``
-    (the fp32 master and each optimizer state tensor) from element ``offset`` of that flat tensor;
-    ``group`` is the param group of the optimizer it belongs to."""
-
-    file: str
-    start: int
-    end: int
-    group: int | None
-    flat: int
-    offset: int
-    states: dict[str, str] = field(default_factory=dict)
-
-
-def _int(value: Any, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise CheckpointError(f"{what} is {value!r}, not a non-negative integer")
-    return int(value)
-
-
 def _dtype(tensor: torch.Tensor) -> str:
     return str(tensor.dtype).removeprefix("torch.")
-
-
-def _shape(value: Any, what: str) -> tuple[int, ...]:
-    if not isinstance(value, (tuple, list, torch.Size)):
-        raise CheckpointError(f"{what} is a {type(value).__name__}, not a shape")
-    return tuple(_int(d, what) for d in value)
 
 
 class DeepSpeedReader:
@@ -118,42 +99,44 @@ class DeepSpeedReader:
     ``[0, numel)`` exactly, and every flat tensor is long enough for the ranges read from it.
     """
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, trainable: list[str] | None = None) -> None:
+        """``trainable``: the live model's trained parameter names in ``model.parameters()`` order; only
+        stage-0 checkpoints need them (they record no names), else their entries are matched by shape."""
         self.path = path
         self._cache: dict[str, Any] = {}
         names = os.listdir(path)
         optim = {int(m.group(2)): n for n in names if (m := _OPTIM_RE.match(n))}
-        if not optim:
-            raise CheckpointError(
-                f"{path} holds no *zero_pp_rank_*_optim_states.pt files: only DeepSpeed ZeRO checkpoints "
-                "(stages 1-3) are read; a stage-0 checkpoint holds a whole-model optimizer state zeroshard "
-                "does not map to parameters"
-            )
-        self.world_size = len(optim)
-        if sorted(optim) != list(range(self.world_size)):
+        if sorted(optim) != list(range(len(optim))):
             raise CheckpointError(f"{path}: the optimizer files are for ranks {sorted(optim)}, not 0..W-1")
-        self.optim_files = [optim[r] for r in range(self.world_size)]
+        self.optim_files = [optim[r] for r in range(len(optim))]
         model_name = MODEL_FILE if MODEL_FILE in names else "zero_pp_rank_0_mp_rank_00_model_states.pt"
         self.model_states: dict[str, Any] = self._checked_dict(model_name)
-        first = self._optimizer_state(self.optim_files[0])
-        self.stage = int(first.get("zero_stage", 0))
-        if self.stage not in (1, 2, 3):
-            raise CheckpointError(f"{path}/{self.optim_files[0]}: zero_stage {self.stage!r} is not 1, 2 or 3")
-        self.params: dict[str, dict[str, Any]] = {}
-        self.ranges: dict[str, list[DeepSpeedRange]] = {}
-        self._param_groups: list[dict[str, Any]] = []
-        self._step: dict[tuple[str, int], torch.Tensor] = {}
-        self._moment_keys: list[str] = []
-        if self.stage == 3:
-            self._index_stage3()
-            self._merge_sub_groups()
+        if self.optim_files:
+            self.world_size = len(self.optim_files)
+            first = self._optimizer_state(self.optim_files[0])
+            self.stage = int(first.get("zero_stage", 0))
+            if self.stage not in (1, 2, 3):
+                raise CheckpointError(f"{path}/{self.optim_files[0]}: zero_stage {self.stage!r} is not 1-3")
+            scaler = first.get("loss_scaler")
+            scaler_state = None if scaler is None else loss_scaler_state(scaler)
         else:
-            self._index_stage12()
-        for name, ranges in self.ranges.items():
-            self._check_coverage(name, ranges)
-        self.aliases: dict[str, str] = self._aliases()
+            self.world_size = as_int(self.model_states.get("dp_world_size", 1), f"{path}: dp_world_size")
+            self.stage = 0
+            scaler_state = _stage0_scaler(stage0_optimizer(self.model_states, path))
+        builder = IndexBuilder(path, self.model_states, self.optim_files, self._optimizer_state, self.release)
+        index = builder.build(self.stage, trainable)
+        self.params: dict[str, dict[str, Any]] = index.params
+        self.ranges: dict[str, list[DeepSpeedRange]] = index.ranges
+        self._param_groups = index.param_groups
+        self._step = index.scalars
+        shared = self.model_states.get("shared_params") if self.stage else builder.aliases_by_storage()
+        if not isinstance(shared, dict | None):
+            raise CheckpointError(f"{path}: shared_params is a {type(shared).__name__}, not a dict")
+        self.aliases: dict[str, str] = {
+            str(a): str(t) for a, t in (shared or {}).items() if str(t) in self.params
+        }
         self.module_extra: dict[str, dict[str, Any]] = self._module_extra()
-        self.meta: dict[str, Any] = self._meta(first)
+        self.meta: dict[str, Any] = self._meta(scaler_state)
 
     # -- opening files -----------------------------------------------------------------------------------
     def _load(self, fname: str) -> Any:
@@ -189,146 +172,7 @@ class DeepSpeedReader:
     ) -> None:
         self.close()
 
-    # -- the index -----------------------------------------------------------------------------------------
-    def _group_shapes(self) -> list[list[tuple[str, tuple[int, ...]]]]:
-        shapes = self.model_states.get("param_shapes")
-        if not isinstance(shapes, list) or not all(isinstance(g, dict) for g in shapes):
-            raise CheckpointError(f"{self.path}: the model states hold no 'param_shapes' list of dicts")
-        out = []
-        for gi, group in enumerate(shapes):
-            out.append(
-                [(str(n), _shape(s, f"{self.path}: param_shapes[{gi}][{n!r}]")) for n, s in group.items()]
-            )
-            for name, shape in out[-1]:
-                self.params[name] = {"shape": list(shape), "group": gi}
-                self.ranges[name] = []
-        return out
-
-    def _base_state(self, sd: dict[str, Any], fname: str, group: int) -> dict[str, Any]:
-        """Torch optimizer state of flat group ``group`` of one rank (elastic or plain layout)."""
-        base = sd.get("base_optimizer_state", sd.get("optimizer_state_dict"))
-        if isinstance(base, list):  # elastic_checkpoint: one lean state per group
-            state = base[group] if group < len(base) else {}
-        elif isinstance(base, dict) and isinstance(base.get("state"), dict):
-            groups = base.get("param_groups", [])
-            key = groups[group]["params"][0] if group < len(groups) else group
-            state = base["state"].get(key, {})
-        else:
-            raise CheckpointError(f"{self.path}/{fname}: no torch optimizer state in the DeepSpeed optimizer")
-        if "step" not in state and "base_optimizer_state_step" in sd:
-            state = {**state, "step": torch.tensor(float(sd["base_optimizer_state_step"]))}
-        return dict(state)
-
-    def _record_group(self, sd: dict[str, Any], fname: str, group: int) -> dict[str, str]:
-        """Remember one rank's scalars of ``group`` and the hyperparameters; return its state kinds."""
-        state = self._base_state(sd, fname, group)
-        kinds = {}
-        for key, value in state.items():
-            if isinstance(value, torch.Tensor) and value.dim() == 1:
-                kinds[key] = VECTOR
-            elif isinstance(value, torch.Tensor) and value.dim() == 0:
-                kinds[key] = SCALAR
-                self._step[(fname, group)] = value
-        base = sd.get("base_optimizer_state", sd.get("optimizer_state_dict"))
-        groups = base.get("param_groups", []) if isinstance(base, dict) else []
-        while len(self._param_groups) <= group:
-            self._param_groups.append({})
-        if group < len(groups):
-            self._param_groups[group] = {k: v for k, v in groups[group].items() if k != "params"}
-        return kinds
-
-    def _index_stage12(self) -> None:
-        shapes = self._group_shapes()
-        flats: list[list[int]] = []  # [rank][group] -> partition length
-        for fname in self.optim_files:
-            sd = self._optimizer_state(fname)
-            parts = sd.get("single_partition_of_fp32_groups")
-            if not isinstance(parts, list) or len(parts) != len(shapes):
-                raise CheckpointError(
-                    f"{self.path}/{fname}: single_partition_of_fp32_groups is not a list of {len(shapes)} "
-                    "tensors"
-                )
-            flats.append([int(t.numel()) for t in parts])
-        paddings = self._optimizer_state(self.optim_files[0]).get("param_alignment_paddings")
-        for gi, group in enumerate(shapes):
-            pads = paddings[gi] if isinstance(paddings, list) and gi < len(paddings) else [0] * len(group)
-            starts, at = [], 0
-            for r in range(self.world_size):
-                starts.append(at)
-                at += flats[r][gi]
-            kinds = [self._record_group(self._optimizer_state(f), f, gi) for f in self.optim_files]
-            offset = 0
-            for (name, shape), pad in zip(group, pads, strict=False):
-                numel = math.prod(shape)
-                for r, fname in enumerate(self.optim_files):
-                    lo, hi = max(offset, starts[r]), min(offset + numel, starts[r] + flats[r][gi])
-                    if lo < hi:
-                        self.ranges[name].append(
-                            DeepSpeedRange(fname, lo - offset, hi - offset, gi, gi, lo - starts[r], kinds[r])
-                        )
-                offset += numel + int(pad)
-            self.release(set(self.optim_files[1:]))
-
-    def _index_stage3(self) -> None:
-        shapes = self._group_shapes()
-        w = self.world_size
-        for r, fname in enumerate(self.optim_files):
-            sd = self._optimizer_state(fname)
-            flat = sd.get("fp32_flat_groups")
-            if not isinstance(flat, list) or len(flat) != len(shapes):
-                raise CheckpointError(
-                    f"{self.path}/{fname}: fp32_flat_groups is not a list of {len(shapes)} tensors (one per "
-                    "sub-group of param_shapes)"
-                )
-            for gi, group in enumerate(shapes):
-                kinds = self._record_group(sd, fname, gi)
-                offset = 0
-                for name, shape in group:
-                    numel = math.prod(shape)
-                    chunk = math.ceil(numel / w)
-                    lo, hi = min(r * chunk, numel), min((r + 1) * chunk, numel)
-                    if lo < hi:
-                        self.ranges[name].append(DeepSpeedRange(fname, lo, hi, gi, gi, offset, kinds))
-                    offset += chunk
-                if offset > flat[gi].numel():
-                    raise CheckpointError(
-                        f"{self.path}/{fname}: fp32_flat_groups[{gi}] has {flat[gi].numel()} elements, the "
-                        f"parameters of param_shapes[{gi}] need {offset}"
-                    )
-            if r:
-                self.release([fname])
-
-    def _merge_sub_groups(self) -> None:
-        """Stage 3 splits a param group into sub-groups with the same hyperparameters: one group each."""
-        merged: list[dict[str, Any]] = []
-        index: list[int] = []
-        for hyper in self._param_groups:
-            if hyper not in merged:
-                merged.append(hyper)
-            index.append(merged.index(hyper))
-        self._param_groups = merged
-        for name, ranges in self.ranges.items():
-            self.ranges[name] = [replace(r, group=index[r.flat]) for r in ranges]
-
-    def _check_coverage(self, name: str, ranges: list[DeepSpeedRange]) -> None:
-        ranges.sort(key=lambda r: r.start)
-        at = 0
-        for r in ranges:
-            if r.start != at:
-                break
-            at = r.end
-        if at != self.numel(name):
-            raise CheckpointError(
-                f"{self.path}: the rank files hold elements up to {at} of {name!r}, which has "
-                f"{self.numel(name)}: the checkpoint is incomplete or its partitions are inconsistent"
-            )
-
-    def _aliases(self) -> dict[str, str]:
-        shared = self.model_states.get("shared_params") or {}
-        if not isinstance(shared, dict):
-            raise CheckpointError(f"{self.path}: shared_params is a {type(shared).__name__}, not a dict")
-        return {str(a): str(t) for a, t in shared.items() if str(t) in self.params}
-
+    # -- what the model states add ------------------------------------------------------------------
     def _module_extra(self) -> dict[str, dict[str, Any]]:
         """The module entries no flat group holds: buffers and frozen parameters."""
         module = self.model_states.get("module")
@@ -338,7 +182,7 @@ class DeepSpeedReader:
         frozen = self.model_states.get("frozen_param_shapes") if self.stage == 3 else None
         if isinstance(frozen, dict):
             self._frozen = {
-                str(n): _shape(s, f"{self.path}: frozen_param_shapes[{n!r}]") for n, s in frozen.items()
+                str(n): as_shape(s, f"{self.path}: frozen_param_shapes[{n!r}]") for n, s in frozen.items()
             }
         buffers = self.model_states.get("buffer_names") or []
         out: dict[str, dict[str, Any]] = {}
@@ -356,11 +200,10 @@ class DeepSpeedReader:
                 out[key] = {**entry, "parameter": True}  # a frozen parameter, saved whole in the module
         return out
 
-    def _meta(self, first: dict[str, Any]) -> dict[str, Any]:
+    def _meta(self, scaler: dict[str, Any] | None) -> dict[str, Any]:
         ms = self.model_states
-        scaler = first.get("loss_scaler")
         counters = {
-            k: _int(ms.get(k, 0) or 0, f"{self.path}: {k}")
+            k: as_int(ms.get(k, 0) or 0, f"{self.path}: {k}")
             for k in ("global_steps", "global_samples", "skipped_steps")
         }
         return {
@@ -375,7 +218,7 @@ class DeepSpeedReader:
                 ]
             },
             "lr_scheduler": None if ms.get("lr_scheduler") is None else {"state": ms["lr_scheduler"]},
-            "loss_scaler": None if scaler is None else {"state": loss_scaler_state(scaler)},
+            "loss_scaler": None if scaler is None else {"state": scaler},
             "client_state": {k: v for k, v in ms.items() if k not in _ENGINE_KEYS},
             "ds_config": ms.get("ds_config"),
             "state_dict_keys": [k for k in (ms.get("module") or {}) if isinstance(k, str)],
@@ -415,18 +258,29 @@ class DeepSpeedReader:
         for fname in sorted(set(files) & set(self.optim_files)):
             self._optimizer_state(fname)
 
-    def _flat(self, r: DeepSpeedRange, state: str | None) -> torch.Tensor:
+    def _flat(self, name: str, r: DeepSpeedRange, state: str | None) -> torch.Tensor:
+        """The 1-D tensor holding ``r``: a rank's flat group, or at stage 0 the parameter's own tensor."""
+        if self.stage == 0:
+            opt = stage0_optimizer(self.model_states, self.path)
+            inner = opt.get("optimizer_state_dict", opt)
+            masters = stage0_masters(opt)
+            if state is not None:
+                value = inner["state"].get(r.flat, {}).get(state)
+            elif masters is not None:
+                value = masters[[i for g in inner["param_groups"] for i in g["params"]].index(r.flat)]
+            else:
+                value = self.model_states["module"][name]
+            return value.reshape(-1) if isinstance(value, torch.Tensor) else _missing(self.path, name, state)
         sd = self._optimizer_state(r.file)
-        group = r.flat
         if state is not None:
-            value = self._base_state(sd, r.file, group).get(state)
+            value = base_state(sd, f"{self.path}/{r.file}", r.flat).get(state)
         elif self.stage == 3:
-            value = sd["fp32_flat_groups"][group]
+            value = sd["fp32_flat_groups"][r.flat]
         else:
-            value = sd["single_partition_of_fp32_groups"][group]
+            value = sd["single_partition_of_fp32_groups"][r.flat]
         if not isinstance(value, torch.Tensor) or value.dim() != 1:
-            raise CheckpointError(f"{self.path}/{r.file}: no flat {state or 'fp32'} tensor for group {group}")
-        return value
+            _missing(f"{self.path}/{r.file}", name, state)
+        return value  # type: ignore[no-any-return]
 
     def read_range(
         self, name: str, start: int, end: int, out: torch.Tensor | None = None, state: str | None = None
@@ -442,7 +296,7 @@ class DeepSpeedReader:
             lo, hi = max(start, r.start), min(end, r.end)
             if lo >= hi:
                 continue
-            flat = self._flat(r, state)
+            flat = self._flat(name, r, state)
             at = r.offset + lo - r.start
             if at + hi - lo > flat.numel():
                 raise CheckpointError(
@@ -503,6 +357,21 @@ class DeepSpeedReader:
         return obj
 
 
+def _missing(where: str, name: str, state: str | None) -> Any:
+    raise CheckpointError(f"{where}: no {state or 'fp32 master'} tensor for {name!r}")
+
+
+def _stage0_scaler(opt: dict[str, Any]) -> dict[str, Any] | None:
+    """zeroshard's loss-scaler state from a 16-bit stage-0 optimizer's fields; None in fp32."""
+    if "cur_scale" not in opt:
+        return None
+    state: dict[str, Any] = {"scale": float(opt["cur_scale"]), "dynamic": bool(opt.get("dynamic_loss_scale"))}
+    fields = {"cur_iter": "cur_iter", "last_overflow_iter": "last_overflow_iter", "scale_factor": "factor"}
+    fields["scale_window"] = "window"
+    state.update({ours: opt[theirs] for theirs, ours in fields.items() if opt.get(theirs) is not None})
+    return state
+
+
 def loss_scaler_state(scaler: Any) -> dict[str, Any]:
     """zeroshard's loss-scaler state (core/loss_scaler.py) from DeepSpeed's pickled scaler."""
     if not isinstance(scaler, DeepSpeedObject):
@@ -528,8 +397,9 @@ def loss_scaler_state(scaler: Any) -> dict[str, Any]:
 AnyReader: TypeAlias = CheckpointReader | DeepSpeedReader
 
 
-def open_reader(path: str) -> AnyReader:
-    """The reader for checkpoint directory ``path``: zeroshard's own format, or DeepSpeed's."""
+def open_reader(path: str, trainable: list[str] | None = None) -> AnyReader:
+    """The reader for checkpoint directory ``path``: zeroshard's own format, or DeepSpeed's (``trainable``:
+    see :class:`DeepSpeedReader`)."""
     if not os.path.isfile(os.path.join(path, METADATA_FILE)) and is_deepspeed_checkpoint(path):
-        return DeepSpeedReader(path)
+        return DeepSpeedReader(path, trainable)
     return CheckpointReader(path)

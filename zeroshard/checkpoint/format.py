@@ -314,8 +314,8 @@ def read_metadata(path: str) -> dict[str, Any]:
         hint = ""
         if any(n.endswith("model_states.pt") for n in _listdir(path)):
             hint = (
-                " (it looks like a DeepSpeed checkpoint: open it with load_checkpoint or open_checkpoint, which "
-                "read DeepSpeed's layout)"
+                " (it looks like a DeepSpeed checkpoint: open it with load_checkpoint or open_checkpoint, "
+                "which read DeepSpeed's layout)"
             )
         raise CheckpointError(f"{path} is not a zeroshard checkpoint: it has no {METADATA_FILE}{hint}")
     confined(path, METADATA_FILE, path)

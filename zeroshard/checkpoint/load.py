@@ -93,7 +93,8 @@ def load_checkpoint(
             logger.warning("no '%s' file in %s: no checkpoint loaded (pass tag= to name one)", "latest", root)
         return None, None
     with_optimizer = load_optimizer_states and not load_module_only and engine.optimizer is not None
-    reader = open_reader(path)
+    trained = module_names(engine.module, engine.units).trained
+    reader = open_reader(path, [n for n, p in engine.module.named_parameters() if id(p) in trained])
     with reader:
         plan = collectively(
             comm,
