@@ -146,8 +146,20 @@ def _close(got: torch.Tensor, want: torch.Tensor, rel: float, what: str) -> None
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
-def test_deepspeed_checkpoint_resumes_in_zeroshard(ds_dir: Path, world_size: int) -> None:
-    results = run_distributed(resume_worker, world_size, str(ds_dir))[0]
+def test_deepspeed_checkpoint_resumes_in_zeroshard(ds_dir: Path, tmp_path: Path, world_size: int) -> None:
+    """At W=2 and W=4 from DeepSpeed's directories; at W=1 from their copies that `zeroshard convert --to
+    zeroshard` rewrote in zeroshard's own format."""
+    from zeroshard.checkpoint.verify import verify_checkpoint
+    from zeroshard.cli.convert import main as convert_main
+
+    source = ds_dir
+    if world_size == 1:
+        source = tmp_path / "zeroshard-format"
+        for name, _, _ in ds.CASES:
+            out = source / name / "ckpt"
+            assert convert_main([str(ds_dir / name / "ckpt"), str(out), "--to", "zeroshard"]) == 0
+            assert verify_checkpoint(out).parameters == 5
+    results = run_distributed(resume_worker, world_size, str(source))[0]
     for key, got in results.items():
         name = key.split("@")[0]
         want = _result(ds_dir / name / "after.pt")

@@ -8,6 +8,7 @@ from __future__ import annotations
 from zeroshard.checkpoint.convert import (
     convert_checkpoint,
     convert_to_deepspeed,
+    convert_to_zeroshard,
     get_fp32_state_dict,
     load_state_dict_from_checkpoint,
     open_checkpoint,
@@ -23,6 +24,7 @@ __all__ = [
     "CheckpointReader",
     "convert_checkpoint",
     "convert_to_deepspeed",
+    "convert_to_zeroshard",
     "get_fp32_state_dict",
     "load_checkpoint",
     "load_consolidated",

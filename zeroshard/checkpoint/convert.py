@@ -174,3 +174,21 @@ def convert_to_deepspeed(
             world_size=world_size if world_size is not None else int(reader.meta["world_size"]),
             stage=stage if stage is not None else saved_stage,
         )
+
+
+def convert_to_zeroshard(
+    ckpt_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], tag: str | None = None
+) -> str:
+    """Rewrite a DeepSpeed checkpoint in zeroshard's format (checksummed, no pickles) in ``out_dir``, one
+    DeepSpeed rank file in memory at a time; see from_deepspeed.py. Returns the checkpoint directory.
+
+    Raises:
+        CheckpointError: ``ckpt_dir`` is not a DeepSpeed checkpoint (a zeroshard one needs no conversion).
+    """
+    from zeroshard.checkpoint.deepspeed_format import DeepSpeedReader
+    from zeroshard.checkpoint.from_deepspeed import write_zeroshard_checkpoint
+
+    with open_checkpoint(ckpt_dir, tag) as reader:
+        if not isinstance(reader, DeepSpeedReader):
+            raise CheckpointError(f"{reader.path} is already a zeroshard checkpoint: nothing to convert")
+        return write_zeroshard_checkpoint(reader, out_dir)

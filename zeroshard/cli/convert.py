@@ -32,11 +32,12 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--to",
-        choices=("safetensors", "deepspeed"),
+        choices=("safetensors", "deepspeed", "zeroshard"),
         default="safetensors",
         help="safetensors: consolidated weights (Hugging Face layout, the default); deepspeed: a DeepSpeed "
         "ZeRO checkpoint (weights, fp32 masters, optimizer state, scheduler, counters) that DeepSpeed's "
-        "load_checkpoint and zero_to_fp32.py read",
+        "load_checkpoint and zero_to_fp32.py read; zeroshard: a DeepSpeed checkpoint rewritten in "
+        "zeroshard's format (checksummed, no pickles)",
     )
     parser.add_argument(
         "--world-size",
@@ -74,22 +75,34 @@ def register(subparsers: Any) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from zeroshard.checkpoint import CheckpointError, convert_checkpoint, convert_to_deepspeed
+    from zeroshard.checkpoint import (
+        CheckpointError,
+        convert_checkpoint,
+        convert_to_deepspeed,
+        convert_to_zeroshard,
+    )
 
+    if args.to != "deepspeed" and (args.world_size is not None or args.stage is not None):
+        print("zeroshard convert: error: --world-size and --stage need --to deepspeed", file=sys.stderr)
+        return 2
     start = time.perf_counter()
-    if args.to == "deepspeed":
+    if args.to != "safetensors":
         try:
-            path = convert_to_deepspeed(
-                args.checkpoint_dir, args.output_dir, args.tag, world_size=args.world_size, stage=args.stage
-            )
+            if args.to == "zeroshard":
+                path = convert_to_zeroshard(args.checkpoint_dir, args.output_dir, args.tag)
+            else:
+                path = convert_to_deepspeed(
+                    args.checkpoint_dir,
+                    args.output_dir,
+                    args.tag,
+                    world_size=args.world_size,
+                    stage=args.stage,
+                )
         except (CheckpointError, ValueError, OSError) as err:
             print(f"zeroshard convert: error: {err}", file=sys.stderr)
             return 1
-        print(f"wrote DeepSpeed checkpoint {path} in {time.perf_counter() - start:.1f}s")
+        print(f"wrote {args.to} checkpoint {path} in {time.perf_counter() - start:.1f}s")
         return 0
-    if args.world_size is not None or args.stage is not None:
-        print("zeroshard convert: error: --world-size and --stage need --to deepspeed", file=sys.stderr)
-        return 2
     try:
         names = convert_checkpoint(
             args.checkpoint_dir,
