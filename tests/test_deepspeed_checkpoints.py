@@ -226,24 +226,37 @@ def test_pickle_that_would_run_code_is_refused(tmp_path: Path, where: str) -> No
     assert not marker.exists()
 
 
-def save_worker(rank: int, world_size: int, root: str, out: str) -> None:
-    """Each DeepSpeed checkpoint loaded at another stage and world size, saved in zeroshard's format."""
+def save_worker(rank: int, world_size: int, root: str, out: str, direct: bool) -> None:
+    """DeepSpeed's checkpoints loaded into zeroshard and saved again: at W=4 at another stage in
+    zeroshard's format, or (``direct``) at W=2 at the same stage with ``format="deepspeed"``."""
     for name, stage, precision in ZERO_CASES:
-        engine = _engine(3 if stage != 3 else 2, precision, world_size)
+        if (name in DIRECT) != direct:
+            continue
+        engine = _engine(stage if direct else 3 if stage != 3 else 2, precision, world_size)
         engine.load_checkpoint(os.path.join(root, name, "ckpt"))
-        engine.save_checkpoint(os.path.join(out, name), client_state={"note": "from zeroshard"})
+        where = os.path.join(out, name, "ckpt") if direct else os.path.join(out, name)
+        kind = "deepspeed" if direct else "zeroshard"
+        engine.save_checkpoint(where, client_state={"note": "from zeroshard"}, format=kind)
+
+
+DIRECT = {"z2", "z3_bf16"}  # written by save_checkpoint(format="deepspeed"), the others by convert
 
 
 def test_zeroshard_checkpoint_resumes_in_deepspeed(ds_dir: Path, tmp_path: Path) -> None:
-    """DeepSpeed -> zeroshard at W=4 (another stage) -> zeroshard's checkpoint -> `zeroshard convert --to
-    deepspeed` for W=2 at DeepSpeed's stage -> DeepSpeed resumes and takes DeepSpeed's own next steps."""
+    """DeepSpeed -> zeroshard -> DeepSpeed's layout -> DeepSpeed resumes and takes DeepSpeed's own next
+    steps. Two ways back: zeroshard at W=4 (another stage) saves its own format and `zeroshard convert
+    --to deepspeed` lays it out for W=2 at DeepSpeed's stage; or zeroshard at W=2 at that stage saves with
+    save_checkpoint(format="deepspeed")."""
     from zeroshard.cli.convert import main as convert_main
 
     native, back = tmp_path / "native", tmp_path / "back"
-    run_distributed(save_worker, 4, str(ds_dir), str(native))
+    run_distributed(save_worker, 4, str(ds_dir), str(native), False)
+    run_distributed(save_worker, 2, str(ds_dir), str(back), True)
     for name, stage, _ in ZERO_CASES:
-        args = [str(native / name), str(back / name / "ckpt"), "--to", "deepspeed"]
-        assert convert_main([*args, "--world-size", "2", "--stage", str(stage)]) == 0
+        if name not in DIRECT:
+            args = [str(native / name), str(back / name / "ckpt"), "--to", "deepspeed"]
+            assert convert_main([*args, "--world-size", "2", "--stage", str(stage)]) == 0
+    assert not [p for p in (back / "z2" / "ckpt").iterdir() if p.name.startswith(".")]  # staging removed
     run_deepspeed(back, resume=back)
     for name, _, _ in ZERO_CASES:
         want, got = _result(ds_dir / name / "after.pt"), _result(back / name / "resumed.pt")

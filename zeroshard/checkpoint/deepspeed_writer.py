@@ -18,10 +18,12 @@ import logging
 import math
 import os
 import pickle
+import shutil
 import types
+import uuid
 from collections import OrderedDict
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -29,6 +31,9 @@ from zeroshard.checkpoint.deepspeed_format import MODEL_FILE, AnyReader, DeepSpe
 from zeroshard.checkpoint.deepspeed_pickle import DeepSpeedObject, _DynamicLossScaler, _LossScaler
 from zeroshard.checkpoint.errors import CheckpointError
 from zeroshard.checkpoint.reader import VECTOR
+
+if TYPE_CHECKING:
+    from zeroshard.checkpoint.state import TrainingState
 
 logger = logging.getLogger(__name__)
 
@@ -275,6 +280,7 @@ def write_deepspeed_checkpoint(
     world_size: int,
     stage: int,
     tag: str | None = None,
+    save_latest: bool = True,
 ) -> str:
     """Write ``reader``'s checkpoint to ``save_dir/<tag>`` in DeepSpeed's ZeRO layout for ``world_size``
     ranks at ``stage`` (1, 2 or 3), and point ``save_dir/latest`` at it.
@@ -341,9 +347,63 @@ def write_deepspeed_checkpoint(
         model = {"module": _module(reader, common, placeholders=False), **model_states}
         _save(model, os.path.join(out, MODEL_FILE))
         _write_stage12(reader, out, world_size, stage, groups, common)
-    latest = os.path.join(root, "latest")
-    with open(f"{latest}.tmp", "w", encoding="utf-8") as f:
-        f.write(tag)
-    os.replace(f"{latest}.tmp", latest)
+    if save_latest:
+        latest = os.path.join(root, "latest")
+        with open(f"{latest}.tmp", "w", encoding="utf-8") as f:
+            f.write(tag)
+        os.replace(f"{latest}.tmp", latest)
     logger.info("wrote DeepSpeed ZeRO-%d checkpoint %s for %d ranks", stage, out, world_size)
     return out
+
+
+def save_as_deepspeed(
+    engine: TrainingState,
+    save_dir: str | os.PathLike[str],
+    tag: str | None = None,
+    client_state: dict[str, Any] | None = None,
+    save_latest: bool = True,
+    exclude_frozen_parameters: bool = False,
+) -> str:
+    """``engine.save_checkpoint(..., format="deepspeed")``: the engine's state as a DeepSpeed checkpoint
+    for its world size and stage (1-3), so that DeepSpeed resumes it on the same number of ranks.
+
+    zeroshard's own checkpoint is written first to a hidden directory in ``save_dir`` (so the disk briefly
+    holds both), then the first rank lays it out for DeepSpeed and removes it.
+
+    Collective: call on all ranks of the engine's group.
+
+    Raises:
+        ValueError: the engine runs at stage 0 (DeepSpeed's stage-0 layout is not written).
+    """
+    from zeroshard.checkpoint.common import collectively
+    from zeroshard.checkpoint.reader import CheckpointReader
+    from zeroshard.checkpoint.save import save_checkpoint
+
+    stage, comm = engine.plan.stage, engine.comm
+    if stage not in (1, 2, 3):
+        raise ValueError(
+            f"save_checkpoint(format='deepspeed') at stage {stage}: DeepSpeed ZeRO checkpoints are written "
+            "for stages 1-3; save in zeroshard's format and run `zeroshard convert --to deepspeed --stage N`"
+        )
+    token = comm.all_gather_object(uuid.uuid4().hex[:12])[0]
+    staging = os.path.join(os.fspath(save_dir), f".zeroshard-for-deepspeed-{token}")
+    path = save_checkpoint(engine, staging, tag, client_state, False, exclude_frozen_parameters)
+
+    def convert() -> str:
+        if comm.rank != 0:
+            return ""
+        try:
+            with CheckpointReader(path) as reader:
+                return write_deepspeed_checkpoint(
+                    reader,
+                    save_dir,
+                    world_size=comm.world_size,
+                    stage=stage,
+                    tag=os.path.basename(path),
+                    save_latest=save_latest,
+                )
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+
+    out = collectively(comm, f"writing the DeepSpeed checkpoint in {save_dir}", convert)
+    return os.path.join(os.fspath(save_dir), os.path.basename(path)) if not out else out
