@@ -47,7 +47,7 @@ from zeroshard.checkpoint.deepspeed_index import (
 )
 from zeroshard.checkpoint.deepspeed_pickle import DeepSpeedObject, load_deepspeed_file
 from zeroshard.checkpoint.errors import CheckpointError
-from zeroshard.checkpoint.format import METADATA_FILE, confined, read_latest
+from zeroshard.checkpoint.format import METADATA_FILE, confined
 from zeroshard.checkpoint.reader import VECTOR, CheckpointReader
 
 logger = logging.getLogger(__name__)
@@ -76,24 +76,12 @@ def is_deepspeed_checkpoint(path: str) -> bool:
     return MODEL_FILE in names or any(_ZERO3_MODEL_RE.match(n) for n in names)
 
 
-def resolve_deepspeed(load_dir: str, tag: str | None) -> str | None:
-    """The DeepSpeed checkpoint directory of ``tag`` (default: ``latest``'s) in ``load_dir``, or None when
-    ``load_dir`` is not a DeepSpeed save directory (or checkpoint) at all."""
-    if tag is None and is_deepspeed_checkpoint(load_dir):
-        return load_dir
-    name = tag if tag is not None else read_latest(load_dir)
-    if name is None:
-        return None
-    path = confined(load_dir, name, "tag=" if tag is not None else os.path.join(load_dir, "latest"))
-    return path if is_deepspeed_checkpoint(path) else None
-
-
 def _dtype(tensor: torch.Tensor) -> str:
     return str(tensor.dtype).removeprefix("torch.")
 
 
 class DeepSpeedReader:
-    """One DeepSpeed ZeRO checkpoint (stages 1-3), with :class:`CheckpointReader`'s reading interface.
+    """One DeepSpeed checkpoint (stages 0-3), with :class:`CheckpointReader`'s reading interface.
 
     Invariant (checked on open): for every trained parameter the ranges the rank files hold tile
     ``[0, numel)`` exactly, and every flat tensor is long enough for the ranges read from it.
@@ -114,7 +102,10 @@ class DeepSpeedReader:
         if self.optim_files:
             self.world_size = len(self.optim_files)
             first = self._optimizer_state(self.optim_files[0])
-            self.stage = int(first.get("zero_stage", 0))
+            # DeepSpeed's BF16_Optimizer (bf16 without ZeRO on an accelerator) writes ZeRO-1's layout and
+            # no zero_stage.
+            layout = 1 if "single_partition_of_fp32_groups" in first else 0
+            self.stage = int(first.get("zero_stage", layout))
             if self.stage not in (1, 2, 3):
                 raise CheckpointError(f"{path}/{self.optim_files[0]}: zero_stage {self.stage!r} is not 1-3")
             scaler = first.get("loss_scaler")

@@ -140,9 +140,13 @@ class _Source:
         }
 
     def fill(self, out: torch.Tensor, spans: list[tuple[int, int, int, int]], state: str | None) -> None:
-        """``spans``: (parameter index, start, end, offset in ``out``)."""
+        """``spans``: (parameter index, start, end, offset in ``out``). A parameter the optimizer never
+        stepped has no state: its elements stay as they are (zeros, as DeepSpeed's would be)."""
         for i, start, end, at in spans:
-            self.reader.read_range(self.names[i], start, end, out=out[at : at + end - start], state=state)
+            name = self.names[i]
+            if state is not None and state not in self.reader.range_states(name, start, end):
+                continue
+            self.reader.read_range(name, start, end, out=out[at : at + end - start], state=state)
 
 
 def _write_stage12(
