@@ -237,6 +237,30 @@ def save_worker(rank: int, world_size: int, root: str, out: str, direct: bool) -
         where = os.path.join(out, name, "ckpt") if direct else os.path.join(out, name)
         kind = "deepspeed" if direct else "zeroshard"
         engine.save_checkpoint(where, client_state={"note": "from zeroshard"}, format=kind)
+    if direct:
+        fp16_round_trip(rank, world_size, out)
+
+
+def fp16_round_trip(rank: int, world_size: int, out: str) -> None:
+    """An fp16 run's dynamic loss scaler, masters and moments through DeepSpeed's layout and back (DeepSpeed
+    itself has no fp16 on CPU; the DeepSpeed run only unpickles the scaler written here)."""
+    cfg = ds.config(2, "fp16", world_size)
+    cfg["fp16"].update(loss_scale_window=2, hysteresis=1)  # the scale moves within 3 steps
+    model = ds.make_model()
+    params = [p for p in model.parameters() if p.requires_grad]
+    engine, *_ = zeroshard.initialize(model=model, model_parameters=params, config=cfg)
+    _train(engine, rank, world_size)
+    assert engine.loss_scaler is not None and engine.loss_scaler.scale != 2.0**8
+    engine.save_checkpoint(os.path.join(out, "fp16"), format="deepspeed")
+    model = ds.make_model()
+    params = [p for p in model.parameters() if p.requires_grad]
+    again, *_ = zeroshard.initialize(model=model, model_parameters=params, config=cfg)
+    again.load_checkpoint(os.path.join(out, "fp16"))
+    assert again.loss_scaler is not None
+    assert again.loss_scaler.state_dict() == engine.loss_scaler.state_dict()
+    for (name, a), b in zip(masters(again).items(), masters(engine).values(), strict=True):
+        assert torch.equal(a, b), name
+    assert again.global_steps == engine.global_steps
 
 
 DIRECT = {"z2", "z3_bf16"}  # written by save_checkpoint(format="deepspeed"), the others by convert
@@ -258,6 +282,9 @@ def test_zeroshard_checkpoint_resumes_in_deepspeed(ds_dir: Path, tmp_path: Path)
             assert convert_main([*args, "--world-size", "2", "--stage", str(stage)]) == 0
     assert not [p for p in (back / "z2" / "ckpt").iterdir() if p.name.startswith(".")]  # staging removed
     run_deepspeed(back, resume=back)
+    scaler = _result(back / "fp16_scaler.pt")  # DeepSpeed unpickled zeroshard's fp16 loss scaler
+    assert scaler["class"] == "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"
+    assert scaler["cur_scale"] not in (2.0**8, 1.0) and scaler["scale_window"] == 2 and scaler["dynamic"]
     for name, _, _ in ZERO_CASES:
         want, got = _result(ds_dir / name / "after.pt"), _result(back / name / "resumed.pt")
         assert got["note"] == "from zeroshard"

@@ -145,11 +145,29 @@ def _engine(stage: int, precision: str) -> Any:
     return engine
 
 
+def _read_scaler(resume: str, out: str) -> None:
+    """The loss scaler zeroshard pickled into ``resume/fp16``, as DeepSpeed unpickles it (its class and
+    fields), to ``out/fp16_scaler.pt``; DeepSpeed has no fp16 on CPU to run it."""
+    import glob
+
+    files = sorted(glob.glob(os.path.join(resume, "fp16", "*", "*zero_pp_rank_0_*optim_states.pt")))
+    if not files:
+        return
+    scaler = torch.load(files[0], weights_only=False)["optimizer_state_dict"]["loss_scaler"]
+    fields = {k: v for k, v in vars(scaler).items() if isinstance(v, (int, float, bool))}
+    cls = type(scaler)
+    torch.save(
+        {"class": f"{cls.__module__}.{cls.__qualname__}", **fields}, os.path.join(out, "fp16_scaler.pt")
+    )
+
+
 def main(out: str, resume: str | None) -> None:
     import deepspeed
     import torch.distributed as dist
 
     deepspeed.init_distributed(dist_backend="gloo")
+    if resume is not None and dist.get_rank() == 0:
+        _read_scaler(resume, out)
     for name, stage, precision in CASES:
         if resume is not None and not os.path.isdir(os.path.join(resume, name)):
             continue  # not written back (stage 0)
