@@ -27,13 +27,15 @@ import torch
 import zeroshard
 from tests.distributed import run_distributed
 from tests.ds_scripts import ds_checkpoints as ds
-from zeroshard.checkpoint import CheckpointError, get_fp32_state_dict, open_checkpoint
+from zeroshard.checkpoint import CheckpointError, convert_to_zeroshard, get_fp32_state_dict, open_checkpoint
 from zeroshard.checkpoint.common import param_shape
 from zeroshard.checkpoint.export import _gather_from_masters
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tests" / "ds_scripts" / "ds_checkpoints.py"
 STAGES = {name: stage for name, stage, _ in ds.CASES}
+# The DeepSpeed runs (one process start-up and import each, about 10 s) come on top of the spawned workers.
+pytestmark = pytest.mark.timeout(600)
 PRECISION = {name: precision for name, _, precision in ds.CASES}
 ZERO_CASES = [case for case in ds.CASES if case[1] > 0]  # what the way back writes: ZeRO stages 1-3
 
@@ -175,9 +177,11 @@ def test_deepspeed_checkpoint_offline(ds_dir: Path, tmp_path: Path) -> None:
     """get_fp32_state_dict and `zeroshard convert` read DeepSpeed's fp32 masters, tied names included."""
     from safetensors.torch import load_file
 
+    from zeroshard.checkpoint.verify import verify_checkpoint
     from zeroshard.cli.convert import main as convert_main
 
     for name, _, precision in ds.CASES:
+        assert verify_checkpoint(ds_dir / name / "ckpt").parameters == 5  # every file opens, is allowed
         want = _result(ds_dir / name / "after.pt")["saved_weights"]
         state = get_fp32_state_dict(ds_dir / name / "ckpt")
         assert state["head.weight"] is state["emb.weight"]
@@ -194,6 +198,15 @@ def test_deepspeed_checkpoint_offline(ds_dir: Path, tmp_path: Path) -> None:
         model.load_state_dict(written, strict=False)
         for pname, value in state.items():
             assert torch.equal(model.state_dict()[pname].float(), value.float()), pname
+    assert convert_main([str(ds_dir / "z1" / "ckpt"), str(tmp_path / "x"), "--world-size", "2"]) == 2
+    with pytest.raises(CheckpointError, match="already a zeroshard checkpoint"):
+        convert_to_zeroshard(_zeroshard_copy(ds_dir, tmp_path), tmp_path / "y")
+
+
+def _zeroshard_copy(ds_dir: Path, tmp_path: Path) -> Path:
+    out = tmp_path / "z1-zeroshard"
+    convert_to_zeroshard(ds_dir / "z1" / "ckpt", out)
+    return out
 
 
 class _Planted:
