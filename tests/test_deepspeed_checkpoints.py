@@ -184,6 +184,8 @@ def test_deepspeed_checkpoint_offline(ds_dir: Path, tmp_path: Path) -> None:
         assert verify_checkpoint(ds_dir / name / "ckpt").parameters == 5  # every file opens, is allowed
         want = _result(ds_dir / name / "after.pt")["saved_weights"]
         state = get_fp32_state_dict(ds_dir / name / "ckpt")
+        one = get_fp32_state_dict(ds_dir / name / "ckpt" / "global_step3")  # a tag's directory itself
+        assert all(torch.equal(one[k], v) for k, v in state.items())
         assert state["head.weight"] is state["emb.weight"]
         assert state["frozen.weight"].shape == (7, 7) and "scale" in state
         for pname, value in want.items():
