@@ -252,8 +252,8 @@ def resolve(load_dir: str, tag: str | None) -> str | None:
     """The checkpoint directory for ``tag`` (default: the one ``latest`` names); None without ``latest``.
 
     ``load_dir`` may also be a checkpoint directory itself (it holds metadata.json, or DeepSpeed's model
-    states). A tag whose directory
-    is missing while a save was replacing it (it then sits under ``.<tag>.old-*``) resolves to that copy.
+    states). A tag whose directory is missing while a save was replacing it (it then sits under
+    ``.<tag>.old-*``) resolves to that copy.
 
     Raises:
         CheckpointError: the tag's directory does not exist, or the tag (or ``latest``) names a path
