@@ -3,7 +3,10 @@
 One DeepSpeed run (tests/ds_scripts/ds_checkpoints.py, two gloo processes) trains the same tiny model at
 stages 0-3 (fp32, and bf16 at stages 0, 1 and 3), saves a checkpoint after 3 steps, trains 3 more and records
 the losses and weights. zeroshard then resumes each checkpoint at world sizes 1, 2 and 4, at the stage it
-was saved with (at W=2) and at another (at W=1 and W=4), and must take the same next steps.
+was saved with (at W=2) and at another (at W=1 and W=4), and must take the same next steps. The way back:
+zeroshard writes DeepSpeed's layout (`zeroshard convert --to deepspeed`, `save_checkpoint(format=
+"deepspeed")`) and a second DeepSpeed run resumes it, again taking DeepSpeed's own next steps. Also: the
+offline readers and conversions, fp16's loss scaler both ways, and pickles that would run code.
 
 DeepSpeed comes from the interpreter $ZEROSHARD_TEST_DEEPSPEED_PYTHON (default: this one, where the dev
 extra installs it); without a real DeepSpeed there the DeepSpeed-generated cases skip, naming why.
@@ -33,7 +36,6 @@ from zeroshard.checkpoint.export import _gather_from_masters
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tests" / "ds_scripts" / "ds_checkpoints.py"
-STAGES = {name: stage for name, stage, _ in ds.CASES}
 # The DeepSpeed runs (one process start-up and import each, about 10 s) come on top of the spawned workers.
 pytestmark = pytest.mark.timeout(600)
 PRECISION = {name: precision for name, _, precision in ds.CASES}
