@@ -1,12 +1,13 @@
 """DeepSpeed ZeRO checkpoints in zeroshard and back (#19), against real DeepSpeed 0.19.8 on CPU.
 
 One DeepSpeed run (tests/ds_scripts/ds_checkpoints.py, two gloo processes) trains the same tiny model at
-stages 0-3 (fp32, and bf16 at stages 0, 1 and 3), saves a checkpoint after 3 steps, trains 3 more and records
-the losses and weights. zeroshard then resumes each checkpoint at world sizes 1, 2 and 4, at the stage it
-was saved with (at W=2) and at another (at W=1 and W=4), and must take the same next steps. The way back:
-zeroshard writes DeepSpeed's layout (`zeroshard convert --to deepspeed`, `save_checkpoint(format=
-"deepspeed")`) and a second DeepSpeed run resumes it, again taking DeepSpeed's own next steps. Also: the
-offline readers and conversions, fp16's loss scaler both ways, and pickles that would run code.
+stages 0-3 (fp32; bf16 at stages 0, 1 and 3; two param groups at stages 2 and 3), saves a checkpoint
+after 3 steps, trains 3 more and records the losses and weights. zeroshard then resumes each checkpoint
+at world sizes 1, 2 and 4, at the stage it was saved with (at W=2) and at another (at W=1 and W=4), and
+must take the same next steps. The way back: zeroshard writes DeepSpeed's layout (`zeroshard convert
+--to deepspeed`, `save_checkpoint(format="deepspeed")`) and a second DeepSpeed run resumes it, again
+taking DeepSpeed's own next steps. Also: the offline readers and conversions, fp16's loss scaler both
+ways, and pickles that would run code.
 
 DeepSpeed comes from the interpreter $ZEROSHARD_TEST_DEEPSPEED_PYTHON (default: this one, where the dev
 extra installs it); without a real DeepSpeed there the DeepSpeed-generated cases skip, naming why.
@@ -97,11 +98,11 @@ def masters(engine: zeroshard.ZeroshardEngine) -> dict[str, torch.Tensor]:
     }
 
 
-def _engine(stage: int, precision: str, world_size: int) -> zeroshard.ZeroshardEngine:
+def _engine(name: str, stage: int, precision: str, world_size: int) -> zeroshard.ZeroshardEngine:
     model = ds.make_model()
     engine, *_ = zeroshard.initialize(
         model=model,
-        model_parameters=[p for p in model.parameters() if p.requires_grad],
+        model_parameters=ds.model_parameters(name, model),
         config=ds.config(stage, precision, world_size),
     )
     return engine
@@ -128,7 +129,7 @@ def resume_worker(rank: int, world_size: int, root: str) -> dict[str, Any]:
     for name, stage, precision in ds.CASES:
         # At W=2 (as saved) the stage it was saved with, elsewhere another one: every move is covered.
         for zstage in [stage if world_size == 2 else stage % 3 + 1]:
-            engine = _engine(zstage, precision, world_size)
+            engine = _engine(name, zstage, precision, world_size)
             path, client = engine.load_checkpoint(os.path.join(root, name, "ckpt"))
             assert path is not None and path.endswith("global_step3"), path
             assert client == {"note": "from deepspeed"}, client
@@ -249,7 +250,7 @@ def save_worker(rank: int, world_size: int, root: str, out: str, direct: bool) -
     for name, stage, precision in ZERO_CASES:
         if (name in DIRECT) != direct:
             continue
-        engine = _engine(stage if direct else 3 if stage != 3 else 2, precision, world_size)
+        engine = _engine(name, stage if direct else 3 if stage != 3 else 2, precision, world_size)
         engine.load_checkpoint(os.path.join(root, name, "ckpt"))
         where = os.path.join(out, name, "ckpt") if direct else os.path.join(out, name)
         kind = "deepspeed" if direct else "zeroshard"
@@ -280,7 +281,11 @@ def fp16_round_trip(rank: int, world_size: int, out: str) -> None:
     assert again.global_steps == engine.global_steps
 
 
-DIRECT = {"z2", "z3_bf16"}  # written by save_checkpoint(format="deepspeed"), the others by convert
+DIRECT = {
+    "z2",
+    "z3_bf16",
+    "z3_groups",
+}  # written by save_checkpoint(format="deepspeed"), the others by convert
 
 
 def test_zeroshard_checkpoint_resumes_in_deepspeed(ds_dir: Path, tmp_path: Path) -> None:

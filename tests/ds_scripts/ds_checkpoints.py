@@ -33,6 +33,8 @@ CASES = [
     ("z0_bf16", 0, "bf16"),
     ("z1_bf16", 1, "bf16"),
     ("z3_bf16", 3, "bf16"),
+    ("z2_groups", 2, "fp32"),  # two param groups (decay and no-decay, as Hugging Face's Trainer makes)
+    ("z3_groups", 3, "fp32"),
 ]
 
 
@@ -61,6 +63,17 @@ class Net(nn.Module):
 def make_model() -> Net:
     torch.manual_seed(0)
     return Net()
+
+
+def model_parameters(name: str, model: nn.Module) -> list[Any]:
+    """What the case passes to ``initialize(model_parameters=...)``: the trained parameters, or for the
+    ``*_groups`` cases two param groups with their own learning rate and weight decay."""
+    trained = [p for p in model.parameters() if p.requires_grad]
+    if not name.endswith("_groups"):
+        return trained
+    matrices = [p for p in trained if p.dim() > 1]
+    vectors = [p for p in trained if p.dim() <= 1]
+    return [{"params": matrices, "weight_decay": 0.1}, {"params": vectors, "weight_decay": 0.0, "lr": 1e-2}]
 
 
 def rows(step: int, rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,14 +145,14 @@ def _train(engine: Any, first: int, steps: int) -> list[float]:
     return losses
 
 
-def _engine(stage: int, precision: str) -> Any:
+def _engine(name: str, stage: int, precision: str) -> Any:
     import deepspeed
     import torch.distributed as dist
 
     model = make_model()
     engine, _, _, _ = deepspeed.initialize(
         model=model,
-        model_parameters=[p for p in model.parameters() if p.requires_grad],
+        model_parameters=model_parameters(name, model),
         config=config(stage, precision, dist.get_world_size()),
     )
     return engine
@@ -173,7 +186,7 @@ def main(out: str, resume: str | None) -> None:
             continue  # not written back (stage 0)
         case = os.path.join(out, name)
         os.makedirs(case, exist_ok=True)
-        engine = _engine(stage, precision)
+        engine = _engine(name, stage, precision)
         note = ""
         if resume is None:
             before = _train(engine, 0, BEFORE)
