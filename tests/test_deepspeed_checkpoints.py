@@ -123,9 +123,14 @@ def _train(engine: zeroshard.ZeroshardEngine, rank: int, world_size: int) -> lis
     return losses
 
 
-def resume_worker(rank: int, world_size: int, root: str) -> dict[str, Any]:
-    """Every DeepSpeed checkpoint resumed in zeroshard: the next steps' losses, masters and counters."""
+def resume_worker(rank: int, world_size: int, root: str, planted: str | None) -> dict[str, Any]:
+    """Every DeepSpeed checkpoint resumed in zeroshard: the next steps' losses, masters and counters; a
+    planted pickle refused on every rank."""
     out: dict[str, Any] = {}
+    if planted is not None:
+        engine = _engine("z1", 1, "fp32", world_size)
+        with pytest.raises(CheckpointError, match=r"refused.*posix.system"):
+            engine.load_checkpoint(planted)
     for name, stage, precision in ds.CASES:
         # At W=2 (as saved) the stage it was saved with, elsewhere another one: every move is covered.
         for zstage in [stage if world_size == 2 else stage % 3 + 1]:
@@ -164,7 +169,10 @@ def test_deepspeed_checkpoint_resumes_in_zeroshard(ds_dir: Path, tmp_path: Path,
             out = source / name / "ckpt"
             assert convert_main([str(ds_dir / name / "ckpt"), str(out), "--to", "zeroshard"]) == 0
             assert verify_checkpoint(out).parameters == 5
-    results = run_distributed(resume_worker, world_size, str(source))[0]
+    planted = _plant(tmp_path / "planted", "model") if world_size == 2 else None
+    results = run_distributed(resume_worker, world_size, str(source), planted and str(planted))[0]
+    if planted is not None:
+        assert not (tmp_path / "planted" / "pwned").exists()
     for key, got in results.items():
         name = key.split("@")[0]
         want = _result(ds_dir / name / "after.pt")
@@ -222,13 +230,14 @@ class _Planted:
         return (os.system, (f"touch {self.marker}",))
 
 
-@pytest.mark.parametrize("where", ["model", "optim"])
-def test_pickle_that_would_run_code_is_refused(tmp_path: Path, where: str) -> None:
-    ckpt = tmp_path / "ckpt"
+def _plant(root: Path, where: str) -> Path:
+    """A DeepSpeed-looking checkpoint in ``root/ckpt`` whose ``where`` file would, if unpickled, create
+    ``root/pwned``."""
+    ckpt = root / "ckpt"
     step = ckpt / "global_step1"
     step.mkdir(parents=True)
     (ckpt / "latest").write_text("global_step1")
-    marker = tmp_path / "pwned"
+    marker = root / "pwned"
     bad = {"module": {}, "payload": _Planted(str(marker))}
     good_model = {"module": {"w": torch.zeros(3)}, "param_shapes": [{"w": torch.Size([3])}]}
     good_optim = {
@@ -239,9 +248,16 @@ def test_pickle_that_would_run_code_is_refused(tmp_path: Path, where: str) -> No
         {"optimizer_state_dict": bad} if where == "optim" else good_optim,
         step / "zero_pp_rank_0_mp_rank_00_optim_states.pt",
     )
-    with pytest.raises(CheckpointError, match=r"refused.*system"):
+    return ckpt
+
+
+@pytest.mark.parametrize("where", ["model", "optim"])
+def test_pickle_that_would_run_code_is_refused(tmp_path: Path, where: str) -> None:
+    """Offline here; engine.load_checkpoint at W=2 in test_deepspeed_checkpoint_resumes_in_zeroshard."""
+    ckpt = _plant(tmp_path, where)
+    with pytest.raises(CheckpointError, match=r"refused.*posix.system"):
         open_checkpoint(ckpt)
-    assert not marker.exists()
+    assert not (tmp_path / "pwned").exists()
 
 
 def save_worker(rank: int, world_size: int, root: str, out: str, direct: bool) -> None:

@@ -94,7 +94,9 @@ def load_checkpoint(
         return None, None
     with_optimizer = load_optimizer_states and not load_module_only and engine.optimizer is not None
     trained = module_names(engine.module, engine.units).trained
-    reader = open_reader(path, [n for n, p in engine.module.named_parameters() if id(p) in trained])
+    names = [n for n, p in engine.module.named_parameters() if id(p) in trained]
+    # Opening a DeepSpeed checkpoint reads (and may refuse) every rank file: all ranks agree it worked.
+    reader = collectively(comm, f"opening checkpoint {path}", lambda: open_reader(path, names))
     with reader:
         plan = collectively(
             comm,
