@@ -397,12 +397,18 @@ class ZeroshardEngine(DeepSpeedSurface):
         client_state: dict[str, Any] | None = None,
         save_latest: bool = True,
         exclude_frozen_parameters: bool = False,
+        format: str = "zeroshard",
     ) -> str:
-        """Sharded, atomic checkpoint (see zeroshard.checkpoint.save_checkpoint). Collective."""
+        """Sharded, atomic checkpoint (see zeroshard.checkpoint.save_checkpoint); ``format="deepspeed"``
+        writes DeepSpeed's ZeRO layout instead (see checkpoint/deepspeed_writer.py). Collective."""
         from zeroshard.checkpoint import save_checkpoint
+        from zeroshard.checkpoint.deepspeed_writer import save_as_deepspeed
 
+        if format not in ("zeroshard", "deepspeed"):
+            raise ValueError(f"save_checkpoint(format={format!r}): expected 'zeroshard' or 'deepspeed'")
+        save = save_as_deepspeed if format == "deepspeed" else save_checkpoint
         with self.offload.resident(write_back=False):
-            return save_checkpoint(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+            return save(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
 
     def load_checkpoint(
         self,
