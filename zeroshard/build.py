@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from zeroshard.agreement import check_ranks_agree
 from zeroshard.config import ConfigWarning, ZeroshardConfig, load_config, resolve_config_source
 from zeroshard.core.buffers import BufferPool
 from zeroshard.core.comm import Comm
@@ -79,6 +80,7 @@ def initialize(
             model_dtype=next((p.dtype for p in model.parameters()), None),
             client_optimizer=client_opt,
         )
+    check_ranks_agree(model, cfg, comm)
     plan = plan_for(cfg.zero_optimization.stage)
     policy = policy_from_config(cfg)
     if comm.rank == 0:

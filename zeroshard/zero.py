@@ -294,6 +294,12 @@ def _offloads_to_nvme(config: Any) -> bool:
     return any(isinstance(b, dict) and b.get("device") == "nvme" for b in blocks)
 
 
+def full_shape(param: nn.Parameter) -> torch.Size:
+    """The parameter's shape, also while ``Init`` keeps it partitioned."""
+    entry = _partition_entry(param)
+    return param.shape if entry is None else entry[0]
+
+
 def full_numel(param: nn.Parameter) -> int:
     """The parameter's element count, also while ``Init`` keeps it partitioned."""
     entry = _partition_entry(param)
