@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
+import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -36,6 +38,9 @@ from zeroshard.offload.setup import Offload
 from zeroshard.telemetry import Telemetry
 
 logger = logging.getLogger(__name__)
+
+# Set to 1: a non-finite gradient norm without loss scaling raises instead of skipping the step.
+STOP_ON_NONFINITE = "ZEROSHARD_STOP_ON_NONFINITE"
 
 
 class ZeroshardEngine(DeepSpeedSurface):
@@ -238,6 +243,9 @@ class ZeroshardEngine(DeepSpeedSurface):
             # Which parameters got a gradient anywhere: the others are skipped, as torch skips them.
             step.attach_grads(self.reducer.global_has_grad())
             self._grad_norm = step.grad_norm() / scale
+            if not math.isfinite(self._grad_norm):  # only without loss scaling: checked above otherwise
+                self._nonfinite_without_scaling()
+                return
             factor = 1.0 / scale  # unscale and clip in one pass over the gradients
             clip = self.config.gradient_clipping
             if clip > 0:
@@ -256,19 +264,43 @@ class ZeroshardEngine(DeepSpeedSurface):
         step.gather_params()
         self._finish_step()
 
+    def _nonfinite_without_scaling(self) -> None:
+        """[Note: non-finite gradients] The global gradient norm is inf or NaN in fp32 (or bf16 without
+        ``check_grad_overflow``): as DeepSpeed's ZeRO optimizer does, skip the step (no optimizer or scheduler
+        step, ``skipped_steps`` counts it), so one bad batch does not turn every weight into NaN; with
+        ``ZEROSHARD_STOP_ON_NONFINITE=1`` raise ``FloatingPointError`` instead, naming the step and the
+        parameters whose gradients are not finite. Every rank sees the same norm, so every rank takes the
+        same branch. Collective: all ranks."""
+        if os.environ.get(STOP_ON_NONFINITE, "") == "1":
+            names = self._nonfinite_names()
+            raise FloatingPointError(
+                f"rank {self.global_rank}: step {self.global_steps}: the gradients are not finite "
+                f"(norm {self._grad_norm}); parameters with non-finite gradients: "
+                f"{', '.join(names) or '(none found)'} ({STOP_ON_NONFINITE}=1 stops here; without it the "
+                "step is skipped)"
+            )
+        if self.global_rank == 0:
+            logger.warning(
+                "step %d skipped: the gradient norm is %s (a non-finite loss or gradient); set %s=1 to stop "
+                "with an error instead",
+                self.global_steps,
+                self._grad_norm,
+                STOP_ON_NONFINITE,
+            )
+        self._skip_step()
+
+    def _nonfinite_names(self) -> list[str]:
+        """Every rank's parameters whose gradients are not finite, sorted. Collective: all ranks."""
+        gathered = self.comm.all_gather_object(self.sharded_step.nonfinite_names())
+        return sorted({name for names in gathered for name in names})
+
     def _skip_step(self) -> None:
         """Some rank's gradients overflowed: no optimizer or scheduler step; shrink the loss scale."""
         if self.loss_scaler is not None:
             try:
                 self.loss_scaler.update(True)
             except LossScaleFloorError as err:
-                names = sorted(
-                    {
-                        n
-                        for rank_names in self.comm.all_gather_object(self.sharded_step.nonfinite_names())
-                        for n in rank_names
-                    }
-                )
+                names = self._nonfinite_names()
                 raise LossScaleFloorError(
                     f"fp16 gradients overflowed at the minimum loss scale ({self.loss_scaler.min_scale:g}) "
                     f"at step {self.global_steps}; parameters with non-finite gradients: "
