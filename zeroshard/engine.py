@@ -430,17 +430,26 @@ class ZeroshardEngine(DeepSpeedSurface):
         save_latest: bool = True,
         exclude_frozen_parameters: bool = False,
         format: str = "zeroshard",
+        keep_last: int | None = None,
     ) -> str:
         """Sharded, atomic checkpoint (see zeroshard.checkpoint.save_checkpoint); ``format="deepspeed"``
-        writes DeepSpeed's ZeRO layout instead (see checkpoint/deepspeed_writer.py). Collective."""
+        writes DeepSpeed's ZeRO layout instead (see checkpoint/deepspeed_writer.py). ``keep_last=N``
+        deletes the oldest checkpoints of ``save_dir`` beyond the newest N (zeroshard format). Collective."""
         from zeroshard.checkpoint import save_checkpoint
         from zeroshard.checkpoint.deepspeed_writer import save_as_deepspeed
 
         if format not in ("zeroshard", "deepspeed"):
             raise ValueError(f"save_checkpoint(format={format!r}): expected 'zeroshard' or 'deepspeed'")
-        save = save_as_deepspeed if format == "deepspeed" else save_checkpoint
         with self.offload.resident(write_back=False):
-            return save(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+            if format == "deepspeed":
+                if keep_last is not None:
+                    raise ValueError("save_checkpoint(keep_last=...) applies to format='zeroshard' only")
+                return save_as_deepspeed(
+                    self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters
+                )
+            return save_checkpoint(
+                self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters, keep_last
+            )
 
     def load_checkpoint(
         self,

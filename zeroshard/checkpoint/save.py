@@ -56,6 +56,7 @@ from zeroshard.checkpoint.format import (
     encode,
     old_dir_name,
     range_key,
+    read_latest,
     shard_file_name,
     stale_temp_dirs,
     temp_dir_name,
@@ -78,9 +79,13 @@ def save_checkpoint(
     client_state: dict[str, Any] | None = None,
     save_latest: bool = True,
     exclude_frozen_parameters: bool = False,
+    keep_last: int | None = None,
 ) -> str:
     """Save model, optimizer, scheduler, loss scaler, counters, RNG, the position of the data loader
     ``initialize(training_data=...)`` returned, and client state to ``save_dir/tag``.
+
+    ``keep_last=N`` (opt-in; DeepSpeed keeps every tag) then deletes the oldest checkpoints of ``save_dir``
+    beyond the newest ``N``, never the one just written nor the one ``latest`` names.
 
     See [Note: checkpoint format] and [Note: atomic save]. ``client_state`` may hold JSON values and
     tensors (nothing else: it is never pickled); a script with its own data loader keeps its position
@@ -91,6 +96,10 @@ def save_checkpoint(
     Returns:
         The checkpoint directory.
     """
+    if keep_last is not None and (
+        isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1
+    ):
+        raise ValueError(f"save_checkpoint(keep_last={keep_last!r}): expected None or an int >= 1")
     comm = engine.comm
     tag = _agree_on_tag(engine, f"global_step{engine.global_steps}" if tag is None else str(tag))
     token = comm.all_gather_object(uuid.uuid4().hex[:12])[0]
@@ -122,7 +131,31 @@ def save_checkpoint(
     )
     if comm.rank == 0:
         logger.info("saved checkpoint %s", final)
+    if keep_last is not None:
+        collectively(
+            comm,
+            f"pruning old checkpoints in {root}",
+            lambda: _prune(root, tag, keep_last) if comm.rank == 0 else None,
+        )
     return final
+
+
+def _prune(root: str, kept: str, keep_last: int) -> None:
+    """Delete the oldest checkpoint directories of ``root`` beyond the newest ``keep_last`` (by the time
+    their ``metadata.json`` was written). Only real directories holding a metadata file count; symlinks,
+    files, temporary directories, ``kept`` and the target of ``latest`` are never touched."""
+    found = []
+    for entry in os.scandir(root):
+        meta = os.path.join(entry.path, METADATA_FILE)
+        if entry.name.startswith(".") or not entry.is_dir(follow_symlinks=False) or not os.path.isfile(meta):
+            continue
+        found.append((os.stat(meta).st_mtime_ns, entry.name))
+    found.sort()
+    protected = {kept, read_latest(root)}
+    for _, name in found[: max(0, len(found) - keep_last)]:
+        if name not in protected:
+            shutil.rmtree(os.path.join(root, name))
+            logger.info("deleted old checkpoint %s (keep_last=%d)", os.path.join(root, name), keep_last)
 
 
 def _make_dir(tmp: str, root: str) -> None:
