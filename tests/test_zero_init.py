@@ -78,3 +78,14 @@ def worker(rank: int, world_size: int) -> list[str]:
 
 def test_gathered_parameters_modifier_rank_fills_an_init_model() -> None:
     assert len(run_distributed(worker, 2)[0]) == 2
+
+
+def test_init_takes_deepspeeds_arguments_and_refuses_others() -> None:
+    """DeepSpeed's keyword arguments are accepted; one that asks for a missing feature names it; an unknown
+    keyword is a TypeError, not silently swallowed."""
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        zeroshard.zero.Init(config_dict_or_path={}, not_a_deepspeed_argument=1)  # type: ignore[call-arg]
+    with pytest.raises(ValueError, match="mpu"):
+        zeroshard.zero.Init(mpu=object())
+    with pytest.raises(ValueError, match="quantized"):
+        zeroshard.zero.Init(zero_quantized_weights=True)

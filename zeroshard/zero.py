@@ -221,8 +221,31 @@ class Init:
         enabled: bool = True,
         dtype: torch.dtype | None = None,
         remote_device: str | None = None,
-        **_: Any,
+        mem_efficient_linear: bool = True,
+        pin_memory: bool = False,
+        mpu: Any = None,
+        zero_param_parallel_group: Any = None,
+        zero_quantized_weights: bool = False,
+        zero_quantized_nontrainable_weights: bool = False,
+        sequence_data_parallel_group: Any = None,
+        param_swapper: Any = None,
+        tensor_overrides: Any = None,
     ) -> None:
+        # DeepSpeed's remaining arguments change nothing here (zeroshard swaps no tensor constructor and
+        # partitions over the data-parallel group only); the ones that would ask for a missing feature say so.
+        unsupported = {
+            "mpu": mpu,
+            "zero_param_parallel_group": zero_param_parallel_group,
+            "sequence_data_parallel_group": sequence_data_parallel_group,
+            "param_swapper": param_swapper,
+        }
+        for name, value in unsupported.items():
+            if value is not None:
+                raise ValueError(f"zero.Init({name}=...) is not supported by zeroshard (data parallel only)")
+        if zero_quantized_weights or zero_quantized_nontrainable_weights:
+            raise ValueError(
+                "zero.Init(zero_quantized_weights=...) (ZeRO++ quantized weights) is not supported"
+            )
         self.enabled = enabled
         self.dtype = dtype
         self.comm = Comm(data_parallel_group)
