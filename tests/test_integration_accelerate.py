@@ -1,0 +1,227 @@
+"""Hugging Face accelerate on zeroshard (#23 item 2): an unchanged accelerate script at world size 2 on CPU.
+
+tests/integration_scripts/accelerate_train.py is an ordinary accelerate loop (``prepare``, ``accumulate``
+with 2 micro-batches per step, ``backward``, ``clip_grad_norm_``, ``save_state``/``load_state``,
+``get_state_dict``, ``unwrap_model``, ``save_model``). It runs under DeepSpeed, which the activation makes
+zeroshard (``zeroshard launch``, ``ZEROSHARD_AS_DEEPSPEED=1`` with torchrun or ``accelerate launch``), at
+ZeRO-2 and ZeRO-3 through a ``DeepSpeedPlugin``, a ds_config file with "auto" values and an ``accelerate
+config`` file; and, as the reference, without DeepSpeed (accelerate's DDP at the same world size, same
+data, same optimizer). The per-micro-batch losses (averaged over ranks), the gradient norms and the final
+weights agree to 1e-4 relative; a run resumed from ``save_state`` in a fresh process equals the
+uninterrupted run exactly; the ZeRO-3 consolidated weights (``get_state_dict``, ``save_model``,
+``save_pretrained`` with them) equal the trained parameters element for element.
+
+Each test starts one launcher that runs several cases in turn in the same processes (process start-up and
+imports dominate on 2 cores); the cases' names are documented in the script.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "tests" / "integration_scripts" / "accelerate_train.py"
+RTOL = 1e-4
+pytestmark = pytest.mark.timeout(300)
+
+
+def _env(alias: bool) -> dict[str, str]:
+    drop = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "ZEROSHARD_AS_DEEPSPEED")
+    env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith("ACCELERATE_")}
+    # The checkout first, so the processes import this zeroshard (and its alias module) whatever is installed.
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+    env |= {"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "TOKENIZERS_PARALLELISM": "false"}
+    if alias:
+        env["ZEROSHARD_AS_DEEPSPEED"] = "1"
+    return env
+
+
+def _run(launcher: list[str], out: Path, cases: list[str], alias: bool, timeout: float = 240) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(
+        [*launcher, str(SCRIPT), str(out), *cases],
+        cwd=out,
+        env=_env(alias),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=timeout,
+    )
+    assert done.returncode == 0, f"{' '.join(cases)}:\n{done.stdout[-8000:]}"
+
+
+def _torchrun() -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _record(out: Path, case: str) -> dict:
+    return json.loads((out / f"{case}.json").read_text())
+
+
+def _weights(out: Path, case: str) -> dict[str, torch.Tensor]:
+    return torch.load(out / f"{case}.pt", weights_only=True)
+
+
+def _rel(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b), (len(a), len(b))
+    return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b, strict=True))
+
+
+def _assert_weights_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:
+    assert sorted(got) == sorted(want), what
+    for key, ref in want.items():
+        assert got[key].shape == ref.shape and got[key].dtype == ref.dtype, f"{what}: {key}"
+        err = (got[key] - ref).abs().max().item() / max(ref.abs().max().item(), 1e-12)
+        assert err <= RTOL, f"{what}: {key} differs by {err:.2e} relative"
+
+
+def _assert_matches(out: Path, case: str, ref_out: Path, ref_case: str) -> None:
+    """Same losses, gradient norms, learning rates and final weights as the DDP reference."""
+    got, want = _record(out, case), _record(ref_out, ref_case)
+    assert got["num_processes"] == want["num_processes"] == 2
+    assert got["distributed_type"] == "DistributedType.DEEPSPEED", case
+    assert want["distributed_type"] == "DistributedType.MULTI_CPU", ref_case
+    assert len(got["loss"]) == 8 and len(got["grad_norm"]) == 4, case  # 8 micro-batches, 4 steps
+    assert _rel(got["loss"], want["loss"]) <= RTOL, f"{case} losses {got['loss']} vs {want['loss']}"
+    assert _rel(got["grad_norm"], want["grad_norm"]) <= RTOL, f"{case} grad norms"
+    assert _rel(got["lr"], want["lr"]) <= 1e-12, f"{case} learning rates"
+    # The weights moved (the comparison below is not between two untouched models).
+    assert _rel(want["loss"][-1:], want["loss"][:1]) > 1e-3
+    _assert_weights_close(_weights(out, case), _weights(ref_out, ref_case), case)
+
+
+def _assert_consolidated_exact(out: Path, case: str, exports: bool) -> None:
+    """ZeRO-3: ``get_state_dict`` (and the files written from it) are the trained parameters, exactly."""
+    gathered = torch.load(out / f"{case}.gathered.pt", weights_only=True)
+    consolidated = _weights(out, case)
+    files = [consolidated]
+    if exports:
+        files += [
+            load_file(out / case / "save_model" / "model.safetensors"),
+            load_file(out / case / "pretrained" / "model.safetensors"),
+        ]
+    for tensors in files:
+        assert sorted(tensors) == sorted(gathered), case
+        for name, value in gathered.items():
+            assert value.numel() > 0 and torch.equal(tensors[name], value), f"{case}: {name}"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The DDP runs (no DeepSpeed, no activation): every DeepSpeed case is compared with one of these."""
+    out = tmp_path_factory.mktemp("ddp")
+    _run(_torchrun(), out, ["mlp-ddp", "mlp-ddp-sched", "llama-ddp", "llama-ddp-sched"], alias=False)
+    return out
+
+
+def test_deepspeed_plugin_zero2_zero3_match_ddp(reference: Path, tmp_path: Path) -> None:
+    # Started by `zeroshard launch` (no environment variable): Accelerator(deepspeed_plugin=DeepSpeedPlugin(
+    # zero_stage=2|3, gradient_accumulation_steps=2, gradient_clipping=1.0, offload_optimizer_device=...)).
+    # With offload, accelerate swaps the AdamW for deepspeed.ops.adam.DeepSpeedCPUAdam(adamw_mode=True).
+    launcher = [sys.executable, "-m", "zeroshard.cli", "launch", "--num_gpus", "2", "--no_local_rank"]
+    cases = ["mlp-z2", "mlp-z3", "mlp-z2-offload", "mlp-z3-offload-sched", "llama-z3-pretrained"]
+    _run(launcher, tmp_path, cases, alias=False)
+    _assert_matches(tmp_path, "mlp-z2", reference, "mlp-ddp")
+    _assert_matches(tmp_path, "mlp-z3", reference, "mlp-ddp")
+    _assert_matches(tmp_path, "mlp-z2-offload", reference, "mlp-ddp")
+    _assert_matches(tmp_path, "mlp-z3-offload-sched", reference, "mlp-ddp-sched")
+    # from_pretrained under zero3_init_flag builds the model partitioned (deepspeed.zero.Init) and loads the
+    # saved weights into the shards: training from there equals DDP from the same weights.
+    assert _record(tmp_path, "llama-z3-pretrained")["built_partitioned"]
+    _assert_matches(tmp_path, "llama-z3-pretrained", reference, "llama-ddp")
+    for case in ("mlp-z3", "mlp-z3-offload-sched", "llama-z3-pretrained"):
+        _assert_consolidated_exact(tmp_path, case, exports=False)
+
+
+def test_ds_config_file_with_auto_values_matches_ddp(reference: Path, tmp_path: Path) -> None:
+    # ZEROSHARD_AS_DEEPSPEED=1 torchrun; DeepSpeedPlugin(hf_ds_config="ds_config.json") whose batch sizes,
+    # accumulation, clipping and bucket sizes are "auto"; a LambdaLR through accelerate; the "dummy" case
+    # takes its AdamW from the config's optimizer block (DummyOptim, lr and weight_decay "auto").
+    cases = ["llama-z2file-sched", "llama-z3file-sched-export", "llama-z3file-dummy"]
+    _run(_torchrun(), tmp_path, cases, alias=True)
+    _assert_matches(tmp_path, "llama-z2file-sched", reference, "llama-ddp-sched")
+    _assert_matches(tmp_path, "llama-z3file-sched-export", reference, "llama-ddp-sched")
+    _assert_matches(tmp_path, "llama-z3file-dummy", reference, "llama-ddp")
+    _assert_consolidated_exact(tmp_path, "llama-z3file-sched-export", exports=True)
+    _assert_consolidated_exact(tmp_path, "llama-z3file-dummy", exports=False)
+
+
+def test_save_state_load_state_resume_exactly(reference: Path, tmp_path: Path) -> None:
+    # save_state after 2 of 4 optimizer steps (and go on); then, in fresh processes, load_state, skip the
+    # consumed batches and finish: the last 2 steps' losses and the final weights equal the uninterrupted
+    # run's exactly (the engine's sharded checkpoint, accelerate's scheduler, RNG and sampler states).
+    saves = ["mlp-z3-sched-save2", "llama-z2file-sched-save2"]
+    _run(_torchrun(), tmp_path, saves, alias=True)
+    _run(_torchrun(), tmp_path, [s.replace("save", "resume") for s in saves], alias=True)
+    _assert_matches(tmp_path, "mlp-z3-sched-save2", reference, "mlp-ddp-sched")
+    _assert_matches(tmp_path, "llama-z2file-sched-save2", reference, "llama-ddp-sched")
+    for save in saves:
+        resumed, whole = _record(tmp_path, save.replace("save", "resume")), _record(tmp_path, save)
+        assert resumed["loss"] == whole["loss"][4:] and len(resumed["loss"]) == 4, save
+        assert resumed["grad_norm"] == whole["grad_norm"][2:] and resumed["lr"] == whole["lr"][2:], save
+        got, want = _weights(tmp_path, save.replace("save", "resume")), _weights(tmp_path, save)
+        assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want), save
+
+
+ACCELERATE_CONFIG = """\
+compute_environment: LOCAL_MACHINE
+distributed_type: DEEPSPEED
+deepspeed_config:
+  deepspeed_config_file: {ds_config}
+  zero3_init_flag: true
+machine_rank: 0
+main_training_function: main
+num_machines: 1
+num_processes: 2
+rdzv_backend: static
+same_network: true
+use_cpu: false
+"""
+
+
+def test_accelerate_launch_with_an_accelerate_config_file(reference: Path, tmp_path: Path) -> None:
+    # `accelerate launch --config_file acc.yaml` (the file `accelerate config` writes, pointing at a
+    # ds_config with "auto" values, ZeRO-3, zero3_init_flag); the script calls plain Accelerator().
+    ds_config = {
+        "train_batch_size": "auto",
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "zero_optimization": {
+            "stage": 3,
+            "reduce_bucket_size": "auto",
+            "stage3_prefetch_bucket_size": "auto",
+            "stage3_param_persistence_threshold": "auto",
+            "stage3_gather_16bit_weights_on_model_save": True,
+        },
+    }
+    (tmp_path / "ds_config.json").write_text(json.dumps(ds_config))
+    (tmp_path / "acc.yaml").write_text(ACCELERATE_CONFIG.format(ds_config=tmp_path / "ds_config.json"))
+    accelerate = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(tmp_path / "acc.yaml"),
+    ]
+    launcher = [*accelerate, "--main_process_port", str(_free_port())]
+    _run(launcher, tmp_path, ["llama-launch-sched", "llama-launch-pretrained-export"], alias=True)
+    _assert_matches(tmp_path, "llama-launch-sched", reference, "llama-ddp-sched")
+    assert _record(tmp_path, "llama-launch-pretrained-export")["built_partitioned"]
+    _assert_matches(tmp_path, "llama-launch-pretrained-export", reference, "llama-ddp")
+    _assert_consolidated_exact(tmp_path, "llama-launch-pretrained-export", exports=True)

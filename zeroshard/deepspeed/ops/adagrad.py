@@ -1,0 +1,33 @@
+"""``deepspeed.ops.adagrad``: ``DeepSpeedCPUAdagrad`` with DeepSpeed's signature, as ``torch.optim.Adagrad``.
+
+DeepSpeed's CPU kernel takes the same step as ``torch.optim.Adagrad`` with ``lr_decay=0`` and
+``initial_accumulator_value=0``: ``g += weight_decay * p``; ``sum += g * g``; ``p -= lr * g / (sqrt(sum) +
+eps)``. accelerate builds it in place of a ``torch.optim.Adagrad`` when the optimizer is offloaded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["DeepSpeedCPUAdagrad"]
+
+
+class DeepSpeedCPUAdagrad(torch.optim.Adagrad):
+    """DeepSpeed's CPU Adagrad (elementwise, so exact on shards at every stage)."""
+
+    def __init__(
+        self,
+        model_params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-2,
+        eps: float = 1e-10,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
+        fp32_optimizer_states: bool = True,
+    ) -> None:
+        if amsgrad:
+            raise ValueError("DeepSpeedCPUAdagrad(amsgrad=True) is not supported (DeepSpeed ignores it too)")
+        super().__init__(model_params, lr=lr, eps=eps, weight_decay=weight_decay)
