@@ -22,7 +22,9 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -125,21 +127,28 @@ def _assert_consolidated_exact(out: Path, case: str, exports: bool) -> None:
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The DDP runs (no DeepSpeed, no activation): every DeepSpeed case is compared with one of these."""
     out = tmp_path_factory.mktemp("ddp")
-    _run(_torchrun(), out, ["mlp-ddp", "mlp-ddp-sched", "llama-ddp", "llama-ddp-sched"], alias=False)
+    cases = ["mlp-ddp", "mlp-ddp-sched", "mlp-ddp-adagrad", "llama-ddp", "llama-ddp-sched"]
+    _run(_torchrun(), out, cases, alias=False)
     return out
 
 
 def test_deepspeed_plugin_zero2_zero3_match_ddp(reference: Path, tmp_path: Path) -> None:
     # Started by `zeroshard launch` (no environment variable): Accelerator(deepspeed_plugin=DeepSpeedPlugin(
     # zero_stage=2|3, gradient_accumulation_steps=2, gradient_clipping=1.0, offload_optimizer_device=...)).
-    # With offload, accelerate swaps the AdamW for deepspeed.ops.adam.DeepSpeedCPUAdam(adamw_mode=True).
+    # With offload, accelerate swaps the AdamW for deepspeed.ops.adam.DeepSpeedCPUAdam(adamw_mode=True) and
+    # an Adagrad for deepspeed.ops.adagrad.DeepSpeedCPUAdagrad, built from the client's param groups.
     launcher = [sys.executable, "-m", "zeroshard.cli", "launch", "--num_gpus", "2", "--no_local_rank"]
-    cases = ["mlp-z2", "mlp-z3", "mlp-z2-offload", "mlp-z3-offload-sched", "llama-z3-pretrained"]
+    cases = ["mlp-z2", "mlp-z3", "mlp-z2-offload", "mlp-z3-offload-sched", "mlp-z3-offload-adagrad"]
+    cases.append("llama-z3-pretrained")
     _run(launcher, tmp_path, cases, alias=False)
     _assert_matches(tmp_path, "mlp-z2", reference, "mlp-ddp")
     _assert_matches(tmp_path, "mlp-z3", reference, "mlp-ddp")
     _assert_matches(tmp_path, "mlp-z2-offload", reference, "mlp-ddp")
     _assert_matches(tmp_path, "mlp-z3-offload-sched", reference, "mlp-ddp-sched")
+    _assert_matches(tmp_path, "mlp-z3-offload-adagrad", reference, "mlp-ddp-adagrad")
+    assert _record(tmp_path, "mlp-z2")["optimizer"] == "AdamW"
+    assert _record(tmp_path, "mlp-z2-offload")["optimizer"] == "DeepSpeedCPUAdam"
+    assert _record(tmp_path, "mlp-z3-offload-adagrad")["optimizer"] == "DeepSpeedCPUAdagrad"
     # from_pretrained under zero3_init_flag builds the model partitioned (deepspeed.zero.Init) and loads the
     # saved weights into the shards: training from there equals DDP from the same weights.
     assert _record(tmp_path, "llama-z3-pretrained")["built_partitioned"]
@@ -225,3 +234,59 @@ def test_accelerate_launch_with_an_accelerate_config_file(reference: Path, tmp_p
     assert _record(tmp_path, "llama-launch-pretrained-export")["built_partitioned"]
     _assert_matches(tmp_path, "llama-launch-pretrained-export", reference, "llama-ddp")
     _assert_consolidated_exact(tmp_path, "llama-launch-pretrained-export", exports=True)
+
+
+# -- the names accelerate reaches for, in this process (no alias needed: zeroshard.deepspeed directly) -------
+
+
+def test_cpu_optimizers_accelerate_swaps_in_take_the_torch_step() -> None:
+    # accelerate's map_pytorch_optim_to_deepspeed: the client's param groups, lr/weight_decay and
+    # adamw_mode=False; the swapped-in optimizer must step as the one it replaces.
+    from zeroshard.deepspeed.ops.adagrad import DeepSpeedCPUAdagrad
+    from zeroshard.deepspeed.ops.lion import DeepSpeedCPULion, FusedLion
+    from zeroshard.optimizers import Lion
+
+    def run(make: Callable[..., torch.optim.Optimizer], **kwargs: Any) -> torch.Tensor:
+        torch.manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(7, 3))
+        opt = make([p], **kwargs)
+        for i in range(3):
+            p.grad = torch.sin(p.detach() * (i + 1))
+            opt.step()
+        return p.detach()
+
+    torch_adagrad = torch.optim.Adagrad(
+        [torch.nn.Parameter(torch.zeros(1))], lr=0.1, weight_decay=0.01, lr_decay=0.001
+    )
+    groups = torch_adagrad.param_groups  # what accelerate hands over: the torch optimizer's own groups
+    swapped = DeepSpeedCPUAdagrad(groups, lr=0.1, weight_decay=0.01, adamw_mode=False)
+    assert swapped.param_groups[0]["lr_decay"] == 0.001
+    want = run(torch.optim.Adagrad, lr=0.1, weight_decay=0.01, eps=1e-10)
+    assert torch.equal(run(DeepSpeedCPUAdagrad, lr=0.1, weight_decay=0.01, adamw_mode=False), want)
+    want = run(Lion, lr=0.01, betas=(0.9, 0.99), weight_decay=0.1)
+    assert torch.equal(run(DeepSpeedCPULion, lr=0.01, betas=(0.9, 0.99), weight_decay=0.1), want)
+    assert torch.equal(run(FusedLion, lr=0.01, betas=(0.9, 0.99), weight_decay=0.1), want)
+    with pytest.raises(ValueError, match="adamw_mode=True"):
+        DeepSpeedCPUAdagrad([torch.nn.Parameter(torch.zeros(1))], adamw_mode=True)
+    with pytest.raises(ValueError, match="AdamW mode"):
+        DeepSpeedCPULion([torch.nn.Parameter(torch.zeros(1))], adamw_mode=True)
+
+
+def test_launcher_sequence_parallel_and_init_wrapper_names() -> None:
+    from zeroshard.deepspeed.launcher.runner import DEEPSPEED_ENVIRONMENT_NAME
+    from zeroshard.deepspeed.runtime.sequence_parallel.ulysses_sp import (
+        UlyssesSPAttentionHF,
+        UlyssesSPDataLoaderAdapter,
+    )
+    from zeroshard.deepspeed.runtime.zero import partition_parameters as pp
+
+    assert DEEPSPEED_ENVIRONMENT_NAME == os.environ.get("DS_ENV_FILE", ".deepspeed_env")
+    # accelerate's sequence-parallel path: an error naming the feature, not a ModuleNotFoundError.
+    with pytest.raises(NotImplementedError, match="sequence parallelism"):
+        UlyssesSPAttentionHF.register_with_transformers(model_name_or_path=None, sequence_parallel_size=2)
+    with pytest.raises(NotImplementedError, match="sequence parallelism"):
+        UlyssesSPDataLoaderAdapter(None)
+    # transformers' prevent_arange_dtype_change swaps this wrapper around zero.Init.
+    assert pp._orig_torch_arange is torch.arange
+    wrapped = pp.zero_wrapper_for_fp_tensor_constructor(torch.ones, torch.float16, torch.device("cpu"))
+    assert wrapped(3).dtype == torch.float16 and wrapped(3, dtype=torch.int64).dtype == torch.int64

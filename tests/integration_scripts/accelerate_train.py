@@ -16,12 +16,13 @@ rates) and ``OUT/<case>.pt`` (the final weights from ``accelerator.get_state_dic
 - how: ``ddp`` (``Accelerator()`` without DeepSpeed), ``z2``/``z3`` (``DeepSpeedPlugin(zero_stage=...)``),
   ``z2file``/``z3file`` (``DeepSpeedPlugin(hf_ds_config=<json with "auto" values>)``), ``launch`` (plain
   ``Accelerator()``; ``accelerate launch --config_file`` supplies DeepSpeed);
-- ``offload``: optimizer states on the CPU; ``sched``: a LambdaLR; ``dummy``: the optimizer comes from the
-  ds_config's ``optimizer`` block (``DummyOptim``); ``saveK``: ``save_state`` after K optimizer steps (and
-  go on); ``resumeK``: ``load_state`` from the ``saveK`` run of the same case, skip the consumed batches
-  and go on; ``export``: also ``save_model`` and ``unwrap_model(...).save_pretrained`` (llama);
-  ``pretrained``: the llama comes from ``AutoModelForCausalLM.from_pretrained`` of its initial weights
-  (partitioned as it is built at ZeRO-3).
+- options: ``offload``: optimizer states on the CPU; ``adagrad``: torch Adagrad instead of AdamW;
+  ``sched``: a LambdaLR; ``dummy``: the optimizer comes from the ds_config's ``optimizer`` block
+  (``DummyOptim``); ``saveK``: ``save_state`` after K optimizer steps (and go on); ``resumeK``:
+  ``load_state`` from the ``saveK`` run of the same case, skip the consumed batches and go on; ``export``:
+  also ``save_model`` and ``unwrap_model(...).save_pretrained`` (llama); ``pretrained``: the llama comes
+  from ``AutoModelForCausalLM.from_pretrained`` of its initial weights (partitioned as it is built at
+  ZeRO-3).
 
 On a machine without a GPU, accelerate needs the process-group backend named (``InitProcessGroupKwargs``)
 to run DeepSpeed on more than one process and ``cpu=True`` for DDP; on GPUs neither is needed.
@@ -191,6 +192,8 @@ def run_case(out: Path, case: str, environ: dict[str, str]) -> None:
         from accelerate.utils import DummyOptim  # exported only where DeepSpeed is importable
 
         optimizer = DummyOptim(model.parameters(), lr=LR, weight_decay=0.01)
+    elif "adagrad" in parts:  # offloaded: accelerate swaps in deepspeed.ops.adagrad.DeepSpeedCPUAdagrad
+        optimizer = torch.optim.Adagrad(model.parameters(), lr=0.1, weight_decay=0.01)
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
     loader = torch.utils.data.DataLoader(dataset(kind), batch_size=MICRO, shuffle=False)
@@ -212,6 +215,7 @@ def run_case(out: Path, case: str, environ: dict[str, str]) -> None:
         "num_processes": accelerator.num_processes,
         "distributed_type": str(accelerator.distributed_type),
         "built_partitioned": built_partitioned,
+        "optimizer": type(getattr(optimizer, "optimizer", optimizer)).__name__,  # what accelerate wraps
     }
     start = 0
     if resume_at is not None:

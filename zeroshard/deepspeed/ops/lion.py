@@ -30,7 +30,11 @@ class DeepSpeedCPULion(Lion):
         betas: tuple[float, float] = (0.9, 0.999),
         weight_decay: float = 0.0,
         fp32_optimizer_states: bool = True,
+        adamw_mode: bool = False,
     ) -> None:
+        # accelerate passes adamw_mode=False to every CPU optimizer it swaps in (see ops/adagrad.py).
+        if adamw_mode:
+            raise ValueError("DeepSpeedCPULion(adamw_mode=True): Lion has no AdamW mode")
         super().__init__(model_params, lr=lr, betas=betas, weight_decay=weight_decay)
 
 
