@@ -58,7 +58,9 @@ def _run(launcher: list[str], out: Path, cases: list[str], alias: bool, timeout:
         text=True,
         timeout=timeout,
     )
-    assert done.returncode == 0, f"{' '.join(cases)}:\n{done.stdout[-8000:]}"
+    if done.returncode != 0:  # the ranks' tracebacks come before the launcher's summary: show both
+        tracebacks = [line for line in done.stdout.splitlines() if line.startswith("[rank")]
+        pytest.fail(f"{' '.join(cases)}:\n" + "\n".join(tracebacks[-80:]) + "\n...\n" + done.stdout[-4000:])
 
 
 def _torchrun() -> list[str]:
@@ -88,8 +90,10 @@ def _assert_weights_close(got: dict[str, torch.Tensor], want: dict[str, torch.Te
     assert sorted(got) == sorted(want), what
     for key, ref in want.items():
         assert got[key].shape == ref.shape and got[key].dtype == ref.dtype, f"{what}: {key}"
-        err = (got[key] - ref).abs().max().item() / max(ref.abs().max().item(), 1e-12)
-        assert err <= RTOL, f"{what}: {key} differs by {err:.2e} relative"
+        # Relative in norm, per tensor: Adam turns a last-bit difference in a near-zero gradient into a
+        # visible step for that one element (seen: 7e-5 of the tensor's largest element, 6e-6 in norm).
+        err = (got[key] - ref).norm().item() / max(ref.norm().item(), 1e-12)
+        assert err <= RTOL, f"{what}: {key} differs by {err:.2e} relative (norm)"
 
 
 def _assert_matches(out: Path, case: str, ref_out: Path, ref_case: str) -> None:
@@ -102,13 +106,19 @@ def _assert_matches(out: Path, case: str, ref_out: Path, ref_case: str) -> None:
     assert _rel(got["loss"], want["loss"]) <= RTOL, f"{case} losses {got['loss']} vs {want['loss']}"
     assert _rel(got["grad_norm"], want["grad_norm"]) <= RTOL, f"{case} grad norms"
     assert _rel(got["lr"], want["lr"]) <= 1e-12, f"{case} learning rates"
+    assert _rel([got["eval_loss"]], [want["eval_loss"]]) <= RTOL, f"{case} evaluation loss"
+    assert got["dtypes"] == want["dtypes"] == ["torch.float32"], case
     # The weights moved (the comparison below is not between two untouched models).
     assert _rel(want["loss"][-1:], want["loss"][:1]) > 1e-3
     _assert_weights_close(_weights(out, case), _weights(ref_out, ref_case), case)
 
 
 def _assert_consolidated_exact(out: Path, case: str, exports: bool) -> None:
-    """ZeRO-3: ``get_state_dict`` (and the files written from it) are the trained parameters, exactly."""
+    """ZeRO-3: ``get_state_dict`` (and the files written from it) are the trained parameters, exactly.
+
+    A tied parameter is one tensor under each of its names in ``get_state_dict`` (as ``state_dict()`` has
+    it); the files may keep either name.
+    """
     gathered = torch.load(out / f"{case}.gathered.pt", weights_only=True)
     consolidated = _weights(out, case)
     files = [consolidated]
@@ -117,17 +127,20 @@ def _assert_consolidated_exact(out: Path, case: str, exports: bool) -> None:
             load_file(out / case / "save_model" / "model.safetensors"),
             load_file(out / case / "pretrained" / "model.safetensors"),
         ]
+    assert set(gathered) <= set(consolidated), case
     for tensors in files:
-        assert sorted(tensors) == sorted(gathered), case
-        for name, value in gathered.items():
-            assert value.numel() > 0 and torch.equal(tensors[name], value), f"{case}: {name}"
+        for name, value in tensors.items():
+            want = gathered.get(name, consolidated.get(name))
+            assert want is not None and want.numel() > 0 and torch.equal(value, want), f"{case}: {name}"
+        for name in set(gathered) - set(tensors):  # kept under a tied name
+            assert any(torch.equal(gathered[name], v) for v in tensors.values()), f"{case}: {name} missing"
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The DDP runs (no DeepSpeed, no activation): every DeepSpeed case is compared with one of these."""
     out = tmp_path_factory.mktemp("ddp")
-    cases = ["mlp-ddp", "mlp-ddp-sched", "mlp-ddp-adagrad", "llama-ddp", "llama-ddp-sched"]
+    cases = ["mlp-ddp", "mlp-ddp-sched", "mlp-ddp-adagrad", "llama-ddp", "llama-ddp-sched", "llama-ddp-tied"]
     _run(_torchrun(), out, cases, alias=False)
     return out
 
@@ -139,7 +152,7 @@ def test_deepspeed_plugin_zero2_zero3_match_ddp(reference: Path, tmp_path: Path)
     # an Adagrad for deepspeed.ops.adagrad.DeepSpeedCPUAdagrad, built from the client's param groups.
     launcher = [sys.executable, "-m", "zeroshard.cli", "launch", "--num_gpus", "2", "--no_local_rank"]
     cases = ["mlp-z2", "mlp-z3", "mlp-z2-offload", "mlp-z3-offload-sched", "mlp-z3-offload-adagrad"]
-    cases.append("llama-z3-pretrained")
+    cases += ["llama-z3-pretrained", "llama-z3-tied", "llama-z2-bf16", "llama-z3-bf16"]
     _run(launcher, tmp_path, cases, alias=False)
     _assert_matches(tmp_path, "mlp-z2", reference, "mlp-ddp")
     _assert_matches(tmp_path, "mlp-z3", reference, "mlp-ddp")
@@ -153,8 +166,18 @@ def test_deepspeed_plugin_zero2_zero3_match_ddp(reference: Path, tmp_path: Path)
     # saved weights into the shards: training from there equals DDP from the same weights.
     assert _record(tmp_path, "llama-z3-pretrained")["built_partitioned"]
     _assert_matches(tmp_path, "llama-z3-pretrained", reference, "llama-ddp")
-    for case in ("mlp-z3", "mlp-z3-offload-sched", "llama-z3-pretrained"):
+    # Tied input/output embeddings: get_state_dict has both names, one tensor (as state_dict() has them).
+    _assert_matches(tmp_path, "llama-z3-tied", reference, "llama-ddp-tied")
+    tied = _weights(tmp_path, "llama-z3-tied")
+    assert torch.equal(tied["lm_head.weight"], tied["model.embed_tokens.weight"])
+    for case in ("mlp-z3", "mlp-z3-offload-sched", "llama-z3-pretrained", "llama-z3-tied", "llama-z3-bf16"):
         _assert_consolidated_exact(tmp_path, case, exports=False)
+    # Accelerator(mixed_precision="bf16") turns on the config's bf16 block: bf16 compute and consolidated
+    # weights, fp32 master weights; close to the fp32 run, and the same at both stages.
+    z2, z3 = _record(tmp_path, "llama-z2-bf16"), _record(tmp_path, "llama-z3-bf16")
+    fp32 = _record(reference, "llama-ddp")
+    assert z2["dtypes"] == z3["dtypes"] == ["torch.bfloat16"]
+    assert _rel(z3["loss"], z2["loss"]) <= 1e-3 and _rel(z3["loss"], fp32["loss"]) <= 1e-2
 
 
 def test_ds_config_file_with_auto_values_matches_ddp(reference: Path, tmp_path: Path) -> None:

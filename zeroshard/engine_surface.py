@@ -20,6 +20,7 @@ from torch import nn
 if TYPE_CHECKING:
     from zeroshard.config import ZeroshardConfig
     from zeroshard.core.comm import Comm
+    from zeroshard.core.flat_param import FlatUnit
     from zeroshard.core.stages import StagePlan
 
 __all__ = ["DeepSpeedSurface", "ThroughputTimer"]
@@ -69,6 +70,7 @@ class DeepSpeedSurface(nn.Module):
     global_steps: int
     global_samples: int
     plan: StagePlan
+    units: list[FlatUnit]
     _grad_norm: float | None
     _boundary_override: bool | None = None
     _tput_timer: ThroughputTimer | None = None
@@ -150,13 +152,24 @@ class DeepSpeedSurface(nn.Module):
     ) -> OrderedDict[str, torch.Tensor]:
         """The module's state dict in the compute dtype, gathered, on CPU; on rank 0 only (others: empty).
 
-        Tied parameters appear once, under their first name. Collective: call on all ranks.
+        Keys and order are ``module.state_dict()``'s; tied parameters are one tensor under each of their
+        names, as in DeepSpeed (``save_model`` and ``save_pretrained`` drop the repeats when they write).
+        Collective: call on all ranks.
         """
+        from zeroshard.checkpoint.common import module_names
         from zeroshard.checkpoint.export import live_state
 
+        names = module_names(self.module, self.units)
         specs, tensors = live_state(self, exclude_frozen_parameters=exclude_frozen_parameters)  # type: ignore[arg-type]
-        out: OrderedDict[str, torch.Tensor] = OrderedDict()
-        for spec, tensor in zip(specs, tensors, strict=True):
+        gathered: dict[str, torch.Tensor] = {}
+        for spec, tensor in zip(specs, tensors, strict=True):  # every rank takes part in each gather
             if self.comm.rank == 0:
-                out[spec.key] = tensor
+                gathered[spec.key] = tensor
+        out: OrderedDict[str, torch.Tensor] = OrderedDict()
+        if self.comm.rank != 0:
+            return out
+        for key in names.state_keys:
+            source = names.aliases.get(key, key)
+            if source in gathered:
+                out[key] = gathered[source]
         return out

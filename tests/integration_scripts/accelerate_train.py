@@ -22,7 +22,8 @@ rates) and ``OUT/<case>.pt`` (the final weights from ``accelerator.get_state_dic
   ``load_state`` from the ``saveK`` run of the same case, skip the consumed batches and go on; ``export``:
   also ``save_model`` and ``unwrap_model(...).save_pretrained`` (llama); ``pretrained``: the llama comes
   from ``AutoModelForCausalLM.from_pretrained`` of its initial weights (partitioned as it is built at
-  ZeRO-3).
+  ZeRO-3); ``bf16``: ``Accelerator(mixed_precision="bf16")``; ``tied``: the llama ties its input and
+  output embeddings.
 
 On a machine without a GPU, accelerate needs the process-group backend named (``InitProcessGroupKwargs``)
 to run DeepSpeed on more than one process and ``cpu=True`` for DDP; on GPUs neither is needed.
@@ -76,7 +77,7 @@ def ds_config(stage: int, dummy: bool) -> dict:
     return config
 
 
-def build_model(kind: str) -> nn.Module:
+def build_model(kind: str, tied: bool = False) -> nn.Module:
     torch.manual_seed(7)
     if kind == "mlp":
         return nn.Sequential(nn.Linear(7, 15), nn.Tanh(), nn.Linear(15, 3), nn.Tanh(), nn.Linear(3, 1))
@@ -92,6 +93,7 @@ def build_model(kind: str) -> nn.Module:
         max_position_embeddings=32,
         use_cache=False,
         attn_implementation="eager",
+        tie_word_embeddings=tied,
     )
     return LlamaForCausalLM(config)
 
@@ -124,7 +126,7 @@ def loss_of(kind: str, model: nn.Module, batch: list[torch.Tensor]) -> torch.Ten
     return model(input_ids=ids, labels=ids).loss
 
 
-def make_accelerator(how: str, stage: int, offload: bool, case_dir: Path) -> Accelerator:
+def make_accelerator(how: str, stage: int, offload: bool, bf16: bool, case_dir: Path) -> Accelerator:
     gloo = [InitProcessGroupKwargs(backend="gloo")] if not torch.cuda.is_available() else []
     if how == "ddp":
         return Accelerator(gradient_accumulation_steps=GAS, cpu=not torch.cuda.is_available())
@@ -140,7 +142,13 @@ def make_accelerator(how: str, stage: int, offload: bool, case_dir: Path) -> Acc
             offload_optimizer_device="cpu" if offload else "none",
             zero3_save_16bit_model=True,
         )
-    return Accelerator(deepspeed_plugin=plugin, gradient_accumulation_steps=GAS, kwargs_handlers=gloo)
+    precision = "bf16" if bf16 else "no"
+    return Accelerator(
+        deepspeed_plugin=plugin,
+        gradient_accumulation_steps=GAS,
+        kwargs_handlers=gloo,
+        mixed_precision=precision,
+    )
 
 
 def gathered_parameters(accelerator: Accelerator, model: nn.Module) -> dict[str, torch.Tensor] | None:
@@ -183,11 +191,11 @@ def run_case(out: Path, case: str, environ: dict[str, str]) -> None:
         (case_dir / "ds_config.json").write_text(json.dumps(ds_config(stage, dummy)))
 
     set_seed(3)
-    accelerator = make_accelerator(how, stage, offload, case_dir)
+    accelerator = make_accelerator(how, stage, offload, "bf16" in parts, case_dir)
     if "pretrained" in parts:
         model = load_pretrained(accelerator, out / "init_model")
     else:
-        model = build_model(kind)
+        model = build_model(kind, tied="tied" in parts)
     if dummy and how != "ddp":
         from accelerate.utils import DummyOptim  # exported only where DeepSpeed is importable
 
@@ -238,7 +246,15 @@ def run_case(out: Path, case: str, environ: dict[str, str]) -> None:
         if save_at is not None and accelerator.sync_gradients and micro + 1 == save_at * GAS:
             accelerator.save_state(str(case_dir / "state"))
 
+    # An evaluation forward, as accelerate scripts do between epochs (at ZeRO-3: gathered without backward).
+    model.eval()
+    with torch.no_grad():
+        held_out = [t[-MICRO:].to(accelerator.device) for t in dataset(kind).tensors]
+        record["eval_loss"] = accelerator.gather(loss_of(kind, model, held_out)[None]).mean().item()
+    model.train()
+
     state_dict = accelerator.get_state_dict(model)
+    record["dtypes"] = sorted({str(v.dtype) for v in state_dict.values()})
     gathered = gathered_parameters(accelerator, model)
     if accelerator.is_main_process:
         torch.save({k: v.detach().cpu().clone() for k, v in state_dict.items()}, out / f"{case}.pt")
