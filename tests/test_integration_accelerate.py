@@ -78,7 +78,9 @@ def _record(out: Path, case: str) -> dict:
 
 
 def _weights(out: Path, case: str) -> dict[str, torch.Tensor]:
-    return torch.load(out / f"{case}.pt", weights_only=True)
+    # accelerate's DDP get_state_dict keeps torch.compile's wrapper in the names; DeepSpeed compiles in place.
+    weights = torch.load(out / f"{case}.pt", weights_only=True)
+    return {k.removeprefix("_orig_mod."): v for k, v in weights.items()}
 
 
 def _rel(a: list[float], b: list[float]) -> float:
@@ -140,7 +142,8 @@ def _assert_consolidated_exact(out: Path, case: str, exports: bool) -> None:
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The DDP runs (no DeepSpeed, no activation): every DeepSpeed case is compared with one of these."""
     out = tmp_path_factory.mktemp("ddp")
-    cases = ["mlp-ddp", "mlp-ddp-sched", "mlp-ddp-adagrad", "llama-ddp", "llama-ddp-sched", "llama-ddp-tied"]
+    cases = ["mlp-ddp", "mlp-ddp-sched", "mlp-ddp-adagrad", "mlp-ddp-compile"]
+    cases += ["llama-ddp", "llama-ddp-sched", "llama-ddp-tied"]
     _run(_torchrun(), out, cases, alias=False)
     return out
 
@@ -152,7 +155,7 @@ def test_deepspeed_plugin_zero2_zero3_match_ddp(reference: Path, tmp_path: Path)
     # an Adagrad for deepspeed.ops.adagrad.DeepSpeedCPUAdagrad, built from the client's param groups.
     launcher = [sys.executable, "-m", "zeroshard.cli", "launch", "--num_gpus", "2", "--no_local_rank"]
     cases = ["mlp-z2", "mlp-z3", "mlp-z2-offload", "mlp-z3-offload-sched", "mlp-z3-offload-adagrad"]
-    cases += ["llama-z3-pretrained", "llama-z3-tied", "llama-z2-bf16", "llama-z3-bf16"]
+    cases += ["mlp-z2-compile", "mlp-z3-compile", "llama-z3-pretrained", "llama-z3-tied"]
     _run(launcher, tmp_path, cases, alias=False)
     _assert_matches(tmp_path, "mlp-z2", reference, "mlp-ddp")
     _assert_matches(tmp_path, "mlp-z3", reference, "mlp-ddp")
@@ -162,6 +165,10 @@ def test_deepspeed_plugin_zero2_zero3_match_ddp(reference: Path, tmp_path: Path)
     assert _record(tmp_path, "mlp-z2")["optimizer"] == "AdamW"
     assert _record(tmp_path, "mlp-z2-offload")["optimizer"] == "DeepSpeedCPUAdam"
     assert _record(tmp_path, "mlp-z3-offload-adagrad")["optimizer"] == "DeepSpeedCPUAdagrad"
+    # Accelerator(dynamo_backend=...): accelerate calls engine.compile(backend=..., compile_kwargs=...).
+    for case in ("mlp-z2-compile", "mlp-z3-compile"):
+        assert _record(tmp_path, case)["engine_compiled"], case
+        _assert_matches(tmp_path, case, reference, "mlp-ddp-compile")
     # from_pretrained under zero3_init_flag builds the model partitioned (deepspeed.zero.Init) and loads the
     # saved weights into the shards: training from there equals DDP from the same weights.
     assert _record(tmp_path, "llama-z3-pretrained")["built_partitioned"]
@@ -170,14 +177,8 @@ def test_deepspeed_plugin_zero2_zero3_match_ddp(reference: Path, tmp_path: Path)
     _assert_matches(tmp_path, "llama-z3-tied", reference, "llama-ddp-tied")
     tied = _weights(tmp_path, "llama-z3-tied")
     assert torch.equal(tied["lm_head.weight"], tied["model.embed_tokens.weight"])
-    for case in ("mlp-z3", "mlp-z3-offload-sched", "llama-z3-pretrained", "llama-z3-tied", "llama-z3-bf16"):
+    for case in ("mlp-z3", "mlp-z3-offload-sched", "mlp-z3-compile", "llama-z3-pretrained", "llama-z3-tied"):
         _assert_consolidated_exact(tmp_path, case, exports=False)
-    # Accelerator(mixed_precision="bf16") turns on the config's bf16 block: bf16 compute and consolidated
-    # weights, fp32 master weights; close to the fp32 run, and the same at both stages.
-    z2, z3 = _record(tmp_path, "llama-z2-bf16"), _record(tmp_path, "llama-z3-bf16")
-    fp32 = _record(reference, "llama-ddp")
-    assert z2["dtypes"] == z3["dtypes"] == ["torch.bfloat16"]
-    assert _rel(z3["loss"], z2["loss"]) <= 1e-3 and _rel(z3["loss"], fp32["loss"]) <= 1e-2
 
 
 def test_ds_config_file_with_auto_values_matches_ddp(reference: Path, tmp_path: Path) -> None:
@@ -185,12 +186,20 @@ def test_ds_config_file_with_auto_values_matches_ddp(reference: Path, tmp_path: 
     # accumulation, clipping and bucket sizes are "auto"; a LambdaLR through accelerate; the "dummy" case
     # takes its AdamW from the config's optimizer block (DummyOptim, lr and weight_decay "auto").
     cases = ["llama-z2file-sched", "llama-z3file-sched-export", "llama-z3file-dummy"]
+    cases += ["llama-z2file-bf16", "llama-z3file-bf16"]
     _run(_torchrun(), tmp_path, cases, alias=True)
     _assert_matches(tmp_path, "llama-z2file-sched", reference, "llama-ddp-sched")
     _assert_matches(tmp_path, "llama-z3file-sched-export", reference, "llama-ddp-sched")
     _assert_matches(tmp_path, "llama-z3file-dummy", reference, "llama-ddp")
     _assert_consolidated_exact(tmp_path, "llama-z3file-sched-export", exports=True)
     _assert_consolidated_exact(tmp_path, "llama-z3file-dummy", exports=False)
+    # Accelerator(mixed_precision="bf16") adds a bf16 block to the ds_config: bf16 compute and consolidated
+    # weights over fp32 masters; close to the fp32 run, and the same at both stages.
+    z2, z3 = _record(tmp_path, "llama-z2file-bf16"), _record(tmp_path, "llama-z3file-bf16")
+    fp32 = _record(reference, "llama-ddp")
+    assert z2["dtypes"] == z3["dtypes"] == ["torch.bfloat16"]
+    assert _rel(z3["loss"], z2["loss"]) <= 1e-3 and _rel(z3["loss"], fp32["loss"]) <= 1e-2
+    _assert_consolidated_exact(tmp_path, "llama-z3file-bf16", exports=False)
 
 
 def test_save_state_load_state_resume_exactly(reference: Path, tmp_path: Path) -> None:

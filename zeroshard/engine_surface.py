@@ -74,6 +74,7 @@ class DeepSpeedSurface(nn.Module):
     _grad_norm: float | None
     _boundary_override: bool | None = None
     _tput_timer: ThroughputTimer | None = None
+    _is_compiled: bool = False
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -139,6 +140,34 @@ class DeepSpeedSurface(nn.Module):
                 f"got {is_boundary!r}"
             )
         self._boundary_override = is_boundary
+
+    # -- torch.compile, as accelerate asks for it ------------------------------------------------------
+    def compile(  # type: ignore[override]
+        self,
+        backend: Any = "inductor",
+        compile_kwargs: dict[str, Any] | None = None,
+        schedule: Any = None,
+        compiled_autograd_enabled: bool = False,
+    ) -> None:
+        """DeepSpeed's ``engine.compile``: ``torch.compile`` the wrapped module in place
+        (``module.compile(backend=..., **compile_kwargs)``); the engine's own step stays eager. What
+        accelerate calls when ``Accelerator(dynamo_backend=...)`` runs under DeepSpeed.
+
+        ``schedule`` (DeepCompile's pass schedule) and ``compiled_autograd_enabled`` are DeepSpeed's
+        compiler passes, which zeroshard does not have.
+        """
+        if schedule is not None or compiled_autograd_enabled:
+            raise ValueError(
+                f"compile(schedule={schedule!r}, compiled_autograd_enabled={compiled_autograd_enabled}): "
+                "DeepSpeed's DeepCompile passes are not supported by zeroshard; leave both unset"
+            )
+        self.module.compile(backend=backend, **(compile_kwargs or {}))
+        self._is_compiled = True
+
+    @property
+    def is_compiled(self) -> bool:
+        """Whether :meth:`compile` has run."""
+        return self._is_compiled
 
     @property
     def tput_timer(self) -> ThroughputTimer:

@@ -23,7 +23,7 @@ rates) and ``OUT/<case>.pt`` (the final weights from ``accelerator.get_state_dic
   also ``save_model`` and ``unwrap_model(...).save_pretrained`` (llama); ``pretrained``: the llama comes
   from ``AutoModelForCausalLM.from_pretrained`` of its initial weights (partitioned as it is built at
   ZeRO-3); ``bf16``: ``Accelerator(mixed_precision="bf16")``; ``tied``: the llama ties its input and
-  output embeddings.
+  output embeddings; ``compile``: ``Accelerator(dynamo_backend="eager")``.
 
 On a machine without a GPU, accelerate needs the process-group backend named (``InitProcessGroupKwargs``)
 to run DeepSpeed on more than one process and ``cpu=True`` for DDP; on GPUs neither is needed.
@@ -126,12 +126,14 @@ def loss_of(kind: str, model: nn.Module, batch: list[torch.Tensor]) -> torch.Ten
     return model(input_ids=ids, labels=ids).loss
 
 
-def make_accelerator(how: str, stage: int, offload: bool, bf16: bool, case_dir: Path) -> Accelerator:
+def make_accelerator(parts: list[str], how: str, stage: int, case_dir: Path) -> Accelerator:
     gloo = [InitProcessGroupKwargs(backend="gloo")] if not torch.cuda.is_available() else []
+    # torch.compile through accelerate (engine.compile under DeepSpeed); "eager" traces without codegen.
+    dynamo: dict = {"dynamo_backend": "eager"} if "compile" in parts else {}
     if how == "ddp":
-        return Accelerator(gradient_accumulation_steps=GAS, cpu=not torch.cuda.is_available())
+        return Accelerator(gradient_accumulation_steps=GAS, cpu=not torch.cuda.is_available(), **dynamo)
     if how == "launch":  # accelerate launch --config_file <yaml with deepspeed_config_file>
-        return Accelerator(gradient_accumulation_steps=GAS, kwargs_handlers=gloo)
+        return Accelerator(gradient_accumulation_steps=GAS, kwargs_handlers=gloo, **dynamo)
     if how.endswith("file"):
         plugin = DeepSpeedPlugin(hf_ds_config=str(case_dir / "ds_config.json"))
     else:
@@ -139,15 +141,15 @@ def make_accelerator(how: str, stage: int, offload: bool, bf16: bool, case_dir: 
             zero_stage=stage,
             gradient_accumulation_steps=GAS,
             gradient_clipping=1.0,
-            offload_optimizer_device="cpu" if offload else "none",
+            offload_optimizer_device="cpu" if "offload" in parts else "none",
             zero3_save_16bit_model=True,
         )
-    precision = "bf16" if bf16 else "no"
     return Accelerator(
         deepspeed_plugin=plugin,
         gradient_accumulation_steps=GAS,
         kwargs_handlers=gloo,
-        mixed_precision=precision,
+        mixed_precision="bf16" if "bf16" in parts else "no",
+        **dynamo,
     )
 
 
@@ -182,7 +184,7 @@ def run_case(out: Path, case: str, environ: dict[str, str]) -> None:
     parts = case.split("-")
     kind, how = parts[0], parts[1]
     stage = int(how[1]) if how[0] == "z" else 0
-    offload, sched, dummy, export = (flag in parts for flag in ("offload", "sched", "dummy", "export"))
+    sched, dummy, export = (flag in parts for flag in ("sched", "dummy", "export"))
     save_at, resume_at = option(parts, "save"), option(parts, "resume")
     base = "-".join(p for p in parts if not p.startswith(("save", "resume")))
     case_dir = out / case
@@ -191,7 +193,7 @@ def run_case(out: Path, case: str, environ: dict[str, str]) -> None:
         (case_dir / "ds_config.json").write_text(json.dumps(ds_config(stage, dummy)))
 
     set_seed(3)
-    accelerator = make_accelerator(how, stage, offload, "bf16" in parts, case_dir)
+    accelerator = make_accelerator(parts, how, stage, case_dir)
     if "pretrained" in parts:
         model = load_pretrained(accelerator, out / "init_model")
     else:
@@ -224,6 +226,7 @@ def run_case(out: Path, case: str, environ: dict[str, str]) -> None:
         "distributed_type": str(accelerator.distributed_type),
         "built_partitioned": built_partitioned,
         "optimizer": type(getattr(optimizer, "optimizer", optimizer)).__name__,  # what accelerate wraps
+        "engine_compiled": bool(getattr(model, "is_compiled", False)),  # DeepSpeed's engine.is_compiled
     }
     start = 0
     if resume_at is not None:
