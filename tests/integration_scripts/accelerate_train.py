@@ -23,7 +23,9 @@ rates) and ``OUT/<case>.pt`` (the final weights from ``accelerator.get_state_dic
   also ``save_model`` and ``unwrap_model(...).save_pretrained`` (llama); ``pretrained``: the llama comes
   from ``AutoModelForCausalLM.from_pretrained`` of its initial weights (partitioned as it is built at
   ZeRO-3); ``bf16``: ``Accelerator(mixed_precision="bf16")``; ``tied``: the llama ties its input and
-  output embeddings; ``compile``: ``Accelerator(dynamo_backend="eager")``.
+  output embeddings; ``compile``: ``Accelerator(dynamo_backend="eager")``; ``shuffle``: a shuffling
+  loader (accelerate seeds and saves its sampler); ``short``: 7 micro-batches a rank, so that the data
+  ends the last accumulation window after one.
 
 On a machine without a GPU, accelerate needs the process-group backend named (``InitProcessGroupKwargs``)
 to run DeepSpeed on more than one process and ``cpu=True`` for DDP; on GPUs neither is needed.
@@ -110,12 +112,12 @@ def load_pretrained(accelerator: Accelerator, path: Path) -> nn.Module:
     return AutoModelForCausalLM.from_pretrained(str(path), attn_implementation="eager")
 
 
-def dataset(kind: str) -> torch.utils.data.Dataset:
+def dataset(kind: str, rows: int = ROWS) -> torch.utils.data.TensorDataset:
     g = torch.Generator().manual_seed(11)
     if kind == "mlp":
-        x = torch.randn(ROWS, 7, generator=g) * 2.0
+        x = torch.randn(ROWS, 7, generator=g)[:rows] * 2.0
         return torch.utils.data.TensorDataset(x, (x[:, :3].sum(dim=1, keepdim=True) * 1.5).sin() * 3.0)
-    return torch.utils.data.TensorDataset(torch.randint(0, 64, (ROWS, 12), generator=g))
+    return torch.utils.data.TensorDataset(torch.randint(0, 64, (ROWS, 12), generator=g)[:rows])
 
 
 def loss_of(kind: str, model: nn.Module, batch: list[torch.Tensor]) -> torch.Tensor:
@@ -206,7 +208,9 @@ def run_case(out: Path, case: str, environ: dict[str, str]) -> None:
         optimizer = torch.optim.Adagrad(model.parameters(), lr=0.1, weight_decay=0.01)
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
-    loader = torch.utils.data.DataLoader(dataset(kind), batch_size=MICRO, shuffle=False)
+    # "short": 7 micro-batches a rank, so the last accumulation window (ended by the data) has one.
+    rows = ROWS - 2 * MICRO if "short" in parts else ROWS
+    loader = torch.utils.data.DataLoader(dataset(kind, rows), batch_size=MICRO, shuffle="shuffle" in parts)
     objects = [model, optimizer, loader]
     if sched:
         # Linear decay over the optimizer steps (accelerate steps it once per process per sync step).
