@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import site
 import socket
 import subprocess
 import sys
@@ -43,6 +44,10 @@ def _env(alias: bool) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
     env |= {"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "TOKENIZERS_PARALLELISM": "false"}
     if alias:
+        # The variable acts through zeroshard_as_deepspeed.pth, which installing zeroshard puts in site dirs.
+        dirs = [*site.getsitepackages(), site.getusersitepackages()]
+        pth = [Path(d, "zeroshard_as_deepspeed.pth") for d in dirs]
+        assert any(p.exists() for p in pth), f"install zeroshard (pip install -e .): none of {pth} exists"
         env["ZEROSHARD_AS_DEEPSPEED"] = "1"
     return env
 
