@@ -71,10 +71,12 @@ class DeepSpeedSurface(nn.Module):
     global_samples: int
     plan: StagePlan
     units: list[FlatUnit]
+    optimizer: torch.optim.Optimizer | None
     _grad_norm: float | None
     _boundary_override: bool | None = None
     _tput_timer: ThroughputTimer | None = None
     _is_compiled: bool = False
+    _last_step_overflowed: bool = False
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -96,7 +98,10 @@ class DeepSpeedSurface(nn.Module):
         return self.plan.stage
 
     def get_global_grad_norm(self) -> float | None:
-        """The gradient norm of the last step, before clipping (None before the first step)."""
+        """The gradient norm of the last step, before clipping (None before the first step; inf when the
+        last step was skipped for non-finite gradients, as DeepSpeed reports it)."""
+        if self._last_step_overflowed:
+            return float("inf")
         return self._grad_norm
 
     def train_batch_size(self) -> int:
@@ -140,6 +145,15 @@ class DeepSpeedSurface(nn.Module):
                 f"got {is_boundary!r}"
             )
         self._boundary_override = is_boundary
+
+    def _report_overflow(self, skipped: bool) -> None:
+        """Set DeepSpeed's ``optimizer.overflow``: whether the last step was skipped for non-finite
+        gradients (False before the first). accelerate reads it (``optimizer.step_was_skipped``,
+        ``accelerator.optimizer_step_was_skipped``) to hold a torch LR scheduler back on a skipped step, as
+        the engine holds back its own scheduler."""
+        self._last_step_overflowed = skipped
+        if self.optimizer is not None:
+            self.optimizer.overflow = skipped  # type: ignore[attr-defined]
 
     # -- torch.compile, as accelerate asks for it ------------------------------------------------------
     def compile(  # type: ignore[override]

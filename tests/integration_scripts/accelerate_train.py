@@ -22,7 +22,7 @@ rates) and ``OUT/<case>.pt`` (the final weights from ``accelerator.get_state_dic
   ``load_state`` from the ``saveK`` run of the same case, skip the consumed batches and go on; ``export``:
   also ``save_model`` and ``unwrap_model(...).save_pretrained`` (llama); ``pretrained``: the llama comes
   from ``AutoModelForCausalLM.from_pretrained`` of its initial weights (partitioned as it is built at
-  ZeRO-3); ``bf16``: ``Accelerator(mixed_precision="bf16")``; ``tied``: the llama ties its input and
+  ZeRO-3); ``bf16``/``fp16``: ``Accelerator(mixed_precision=...)``; ``tied``: the llama ties its input and
   output embeddings; ``compile``: ``Accelerator(dynamo_backend="eager")``; ``shuffle``: a shuffling
   loader (accelerate seeds and saves its sampler); ``short``: 7 micro-batches a rank, so that the data
   ends the last accumulation window after one.
@@ -150,7 +150,7 @@ def make_accelerator(parts: list[str], how: str, stage: int, case_dir: Path) -> 
         deepspeed_plugin=plugin,
         gradient_accumulation_steps=GAS,
         kwargs_handlers=gloo,
-        mixed_precision="bf16" if "bf16" in parts else "no",
+        mixed_precision=next((p for p in parts if p in ("bf16", "fp16")), "no"),
         **dynamo,
     )
 
@@ -226,6 +226,8 @@ def run_case(out: Path, case: str, environ: dict[str, str]) -> None:
         "loss": [],
         "grad_norm": [],
         "lr": [],
+        "skipped": [],
+        "lr_after": [],
         "num_processes": accelerator.num_processes,
         "distributed_type": str(accelerator.distributed_type),
         "built_partitioned": built_partitioned,
@@ -248,6 +250,9 @@ def run_case(out: Path, case: str, environ: dict[str, str]) -> None:
             optimizer.step()
             if scheduler is not None:
                 scheduler.step()
+            if accelerator.sync_gradients:  # fp16: the loss scaler skips steps whose gradients overflow
+                record["skipped"].append(accelerator.optimizer_step_was_skipped)
+                record["lr_after"].append(optimizer.param_groups[0]["lr"])
             optimizer.zero_grad()
         record["loss"].append(accelerator.gather(loss.detach()[None]).mean().item())
         if save_at is not None and accelerator.sync_gradients and micro + 1 == save_at * GAS:
