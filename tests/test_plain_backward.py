@@ -75,3 +75,21 @@ def test_zero_grad_set_to_none_false_zeroes_in_place() -> None:
     engine.zero_grad()
     assert all(p.grad is None for p in model.parameters())
     engine.destroy()
+
+
+def test_optimizer_step_outside_engine_step_is_refused() -> None:
+    """The optimizer initialize() returns steps only inside engine.step() (which reduces, unscales and clips
+    first): called directly, as Lightning Fabric does, it raises instead of silently changing nothing."""
+    model = make_model()
+    engine, optimizer, *_ = zeroshard.initialize(
+        model=model,
+        model_parameters=model.parameters(),
+        config={"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}},
+    )
+    engine.backward(engine(*batch(0, 0, 0)))
+    with pytest.raises(RuntimeError, match=r"call engine.step\(\) instead"):
+        optimizer.step()
+    before = [p.detach().clone() for p in model.parameters()]
+    engine.step()  # the step still happens, once, through the engine
+    assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+    engine.destroy()

@@ -259,8 +259,13 @@ def api_cases(rank: int, world_size: int) -> None:
         x = torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(99))
         torch.testing.assert_close(engine(x).extras["logits"], ref(x).extras["logits"], rtol=1e-5, atol=1e-6)
     assert all(not u.gathered for u in engine.units if u.plan.shard_parameters)
-    # state_dict() outside any gather: full tensors, never placeholders; load_state_dict reaches the masters.
-    full_state = engine.module.state_dict()
+    # state_dict() outside any gather is local: placeholders for the sharded parameters, and no collective,
+    # so one rank alone gets it at once (rank 1 does not take part). full_state_dict() is the collective
+    # way to full values; load_state_dict reaches the masters.
+    if rank == 0:
+        local = engine.module.state_dict()
+        assert local["shared.weight"].numel() == 0
+    full_state = engine.full_state_dict()
     assert all(v.numel() > 0 for v in full_state.values())
     torch.testing.assert_close(full_state["shared.weight"], state["shared.weight"])
     edited = {k: v + 1.0 for k, v in full_state.items()}

@@ -72,6 +72,8 @@ class ZeroshardEngine(DeepSpeedSurface):
         self.reducer = reducer
         self.sharded_step = sharded_step
         self.optimizer = optimizer
+        if optimizer is not None:
+            optimizer.register_step_pre_hook(self._refuse_direct_step)
         self.lr_scheduler = lr_scheduler
         self.local_rank = local_rank
         self.device = device or torch.device("cpu")  # where the module computes: move inputs here
@@ -109,8 +111,11 @@ class ZeroshardEngine(DeepSpeedSurface):
     def _forward(self, args: Any, kwargs: Any) -> Any:
         if self.gatherer is None:
             return self.module(*args, **kwargs)
+        # The first forwards watch for parameters used outside their module: eager, also when compiled.
+        stance = "force_eager" if self.gatherer.discovering else "default"
         try:
-            output = self.module(*args, **kwargs)
+            with torch.compiler.set_stance(stance):
+                output = self.module(*args, **kwargs)
         except RuntimeError as err:
             # Keep torch's exception (type and traceback: `except torch.OutOfMemoryError` must still work);
             # only add what a stage-3 shape error most often means.
@@ -172,6 +177,16 @@ class ZeroshardEngine(DeepSpeedSurface):
             self._report_step(lr)
         self.micro_steps += 1
         self._backward_since_step = False
+
+    def _refuse_direct_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """The optimizer steps the master shards inside ``engine.step()`` only, which first reduces, unscales
+        and clips their gradients; stepped directly it would see no gradients and silently change nothing."""
+        if not self.sharded_step.stepping:
+            raise RuntimeError(
+                f"rank {self.comm.rank}: optimizer.step() was called on the optimizer initialize() returned; "
+                "zeroshard updates the parameters in engine.step() (which reduces, unscales and clips the "
+                "gradients first): call engine.step() instead"
+            )
 
     def _take_plain_gradients(self) -> None:
         """PyTorch style, ``loss.backward(); engine.step()``: the gradients are in ``param.grad``.
@@ -345,6 +360,12 @@ class ZeroshardEngine(DeepSpeedSurface):
         with self.gatherer.hold_all():
             yield
 
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The module's state dict with full tensors (copies, in the module's dtype, on its device), on every
+        rank. Collective at stage 3: call on all ranks (see [Note: local state_dict] in zero.py)."""
+        with self.gathered_parameters():
+            return {key: value.detach().clone() for key, value in self.module.state_dict().items()}
+
     # -- queries -------------------------------------------------------------------------------------
     def get_lr(self) -> list[float]:
         if self.optimizer is None:
@@ -378,12 +399,18 @@ class ZeroshardEngine(DeepSpeedSurface):
         client_state: dict[str, Any] | None = None,
         save_latest: bool = True,
         exclude_frozen_parameters: bool = False,
+        format: str = "zeroshard",
     ) -> str:
-        """Sharded, atomic checkpoint (see zeroshard.checkpoint.save_checkpoint). Collective."""
+        """Sharded, atomic checkpoint (see zeroshard.checkpoint.save_checkpoint); ``format="deepspeed"``
+        writes DeepSpeed's ZeRO layout instead (see checkpoint/deepspeed_writer.py). Collective."""
         from zeroshard.checkpoint import save_checkpoint
+        from zeroshard.checkpoint.deepspeed_writer import save_as_deepspeed
 
+        if format not in ("zeroshard", "deepspeed"):
+            raise ValueError(f"save_checkpoint(format={format!r}): expected 'zeroshard' or 'deepspeed'")
+        save = save_as_deepspeed if format == "deepspeed" else save_checkpoint
         with self.offload.resident(write_back=False):
-            return save_checkpoint(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+            return save(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
 
     def load_checkpoint(
         self,

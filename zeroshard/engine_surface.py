@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -75,7 +76,7 @@ class DeepSpeedSurface(nn.Module):
     _grad_norm: float | None
     _boundary_override: bool | None = None
     _tput_timer: ThroughputTimer | None = None
-    _is_compiled: bool = False
+    _compiled: bool = False
     _last_step_overflowed: bool = False
 
     def __getattr__(self, name: str) -> Any:
@@ -92,6 +93,37 @@ class DeepSpeedSurface(nn.Module):
                 raise AttributeError(
                     f"neither the engine nor its module ({type(module).__name__}) has an attribute {name!r}"
                 ) from None
+
+    # -- torch.compile ---------------------------------------------------------------------------------
+    def compile(  # type: ignore[override]
+        self,
+        backend: str | Callable[..., Any] = "inductor",
+        compile_kwargs: dict[str, Any] | None = None,
+        schedule: Any = None,
+        compiled_autograd_enabled: bool = False,
+    ) -> None:
+        """``torch.compile`` the wrapped module in place (``module.compile(backend=..., **compile_kwargs)``),
+        as DeepSpeed's ``engine.compile`` does; a second call does nothing.
+
+        At stage 3 the gather and release hooks run eagerly between compiled pieces (one graph break per
+        hooked module), so the graphs stop changing after the first two steps. DeepCompile's ``schedule``
+        and compiled autograd are DeepSpeed features zeroshard does not have.
+        """
+        if schedule is not None:
+            raise ValueError("engine.compile(schedule=...) is DeepSpeed's DeepCompile; allowed: None")
+        if compiled_autograd_enabled:
+            raise ValueError(
+                "engine.compile(compiled_autograd_enabled=True) is not supported; allowed: False"
+            )
+        if self._compiled:
+            return
+        kwargs = {k: v for k, v in (compile_kwargs or {}).items() if k != "backend"}
+        self.module.compile(backend=backend, **kwargs)
+        self._compiled = True
+
+    @property
+    def is_compiled(self) -> bool:
+        return self._compiled
 
     # -- queries -------------------------------------------------------------------------------------
     def zero_optimization_stage(self) -> int:
@@ -154,34 +186,6 @@ class DeepSpeedSurface(nn.Module):
         self._last_step_overflowed = skipped
         if self.optimizer is not None:
             self.optimizer.overflow = skipped  # type: ignore[attr-defined]
-
-    # -- torch.compile, as accelerate asks for it ------------------------------------------------------
-    def compile(  # type: ignore[override]
-        self,
-        backend: Any = "inductor",
-        compile_kwargs: dict[str, Any] | None = None,
-        schedule: Any = None,
-        compiled_autograd_enabled: bool = False,
-    ) -> None:
-        """DeepSpeed's ``engine.compile``: ``torch.compile`` the wrapped module in place
-        (``module.compile(backend=..., **compile_kwargs)``); the engine's own step stays eager. What
-        accelerate calls when ``Accelerator(dynamo_backend=...)`` runs under DeepSpeed.
-
-        ``schedule`` (DeepCompile's pass schedule) and ``compiled_autograd_enabled`` are DeepSpeed's
-        compiler passes, which zeroshard does not have.
-        """
-        if schedule is not None or compiled_autograd_enabled:
-            raise ValueError(
-                f"compile(schedule={schedule!r}, compiled_autograd_enabled={compiled_autograd_enabled}): "
-                "DeepSpeed's DeepCompile passes are not supported by zeroshard; leave both unset"
-            )
-        self.module.compile(backend=backend, **(compile_kwargs or {}))
-        self._is_compiled = True
-
-    @property
-    def is_compiled(self) -> bool:
-        """Whether :meth:`compile` has run."""
-        return self._is_compiled
 
     @property
     def tput_timer(self) -> ThroughputTimer:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import weakref
 from collections.abc import Iterable, Sequence
@@ -17,12 +18,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from zeroshard.core import saved_views
 from zeroshard.core.comm import Comm
 from zeroshard.core.flat_param import FlatUnit
 from zeroshard.core.hooks import ParameterGatherer
 from zeroshard.core.layout import FlatLayout
 from zeroshard.core.marks import register_external_parameter
 from zeroshard.offload.malloc import keep_large_blocks_mapped, release_free_memory
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["GatheredParameters", "Init", "register_external_parameter"]
 
@@ -85,6 +89,9 @@ class GatheredParameters:
                 by_gatherer.setdefault(id(gatherer), (gatherer, []))[1].append(unit)
         for gatherer, units in by_gatherer.values():
             self._stack.enter_context(gatherer.hold(units))
+        if by_gatherer:
+            # Saves inside the block keep the parameter objects (see [Note: saved views]).
+            self._stack.enter_context(saved_views.suspended())
         return self
 
     def __exit__(
@@ -127,17 +134,36 @@ def _missing(param: nn.Parameter) -> tuple[torch.Size, torch.Tensor, Comm]:
 def install_state_dict_hooks(
     model: nn.Module, units: Sequence[FlatUnit], gatherer: ParameterGatherer | None
 ) -> None:
-    """``model.state_dict()`` returns full tensors and ``load_state_dict`` reaches the master shards.
+    """``model.state_dict()`` stays local; ``load_state_dict`` reaches the master shards.
 
-    At stage 3 both gather every unit for the duration (collective: call them on all ranks). The returned
-    tensors stay valid after the parameters are released again; ``keep_vars=True`` returns the live
-    parameters, which are placeholders outside ``engine.gathered_parameters()``.
+    [Note: local state_dict]
+    ``state_dict()`` never communicates, so that ``if rank == 0: model.state_dict()`` returns at once instead
+    of waiting in a collective the other ranks never join (DeepSpeed and FSDP2 are local here too). At stages
+    0-2 it holds the full parameters. At stage 3 it holds whatever the parameters are at the time: full
+    values inside ``engine.gathered_parameters()`` or ``GatheredParameters``, DeepSpeed's empty placeholders
+    outside, with a warning (once per model) that says how to get full values: ``engine.full_state_dict()``
+    on all ranks, or ``engine.save_16bit_model`` / ``save_checkpoint``. ``load_state_dict`` gathers the units
+    the incoming state names and writes the loaded values into their master shards: collective at stage 3
+    (call it on all ranks with the same state).
     """
     held: list[contextlib.ExitStack] = []
+    warned = [False]
 
-    def gather(keep_vars: bool = False) -> None:
+    def warn_if_placeholders(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        if warned[0] or gatherer is None or keep_vars:
+            return
+        if any(not u.gathered for u in units if u.plan.shard_parameters):
+            warned[0] = True
+            logger.warning(
+                "state_dict() at ZeRO stage 3 outside a gather holds empty placeholders for the sharded "
+                "parameters, as DeepSpeed's does; for full values call engine.full_state_dict() on all "
+                "ranks, use `with engine.gathered_parameters():`, or save with engine.save_16bit_model() "
+                "or engine.save_checkpoint()"
+            )
+
+    def gather() -> None:
         stack = contextlib.ExitStack()
-        if gatherer is not None and not keep_vars:  # keep_vars asks for the live parameters: no gather
+        if gatherer is not None:
             stack.enter_context(gatherer.hold_all())
         held.append(stack)
 
@@ -158,8 +184,7 @@ def install_state_dict_hooks(
             unit.copy_full_to_master()
         release()
 
-    model.register_state_dict_pre_hook(lambda module, prefix, keep_vars: gather(keep_vars))
-    model.register_state_dict_post_hook(lambda module, state, prefix, meta: release())
+    model.register_state_dict_pre_hook(warn_if_placeholders)
     model.register_load_state_dict_pre_hook(before_load)
     model.register_load_state_dict_post_hook(write_back_and_release)
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from zeroshard.checkpoint.convert import (
     convert_checkpoint,
+    convert_to_deepspeed,
+    convert_to_zeroshard,
     get_fp32_state_dict,
     load_state_dict_from_checkpoint,
     open_checkpoint,
@@ -21,6 +23,8 @@ __all__ = [
     "CheckpointError",
     "CheckpointReader",
     "convert_checkpoint",
+    "convert_to_deepspeed",
+    "convert_to_zeroshard",
     "get_fp32_state_dict",
     "load_checkpoint",
     "load_consolidated",

@@ -16,10 +16,10 @@ import torch
 from torch import nn
 
 from zeroshard.checkpoint.common import module_names
+from zeroshard.checkpoint.deepspeed_format import AnyReader, open_reader
 from zeroshard.checkpoint.errors import CheckpointError
 from zeroshard.checkpoint.export import DEFAULT_MAX_SHARD_SIZE, write_consolidated
 from zeroshard.checkpoint.format import resolve
-from zeroshard.checkpoint.reader import CheckpointReader
 from zeroshard.checkpoint.tensorfile import TensorSpec
 
 logger = logging.getLogger(__name__)
@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def open_checkpoint(ckpt_dir: str | os.PathLike[str], tag: str | None = None) -> CheckpointReader:
+def open_checkpoint(ckpt_dir: str | os.PathLike[str], tag: str | None = None) -> AnyReader:
     """A reader for ``ckpt_dir`` (a save directory with ``latest``, or a checkpoint directory itself).
 
     Raises:
@@ -37,10 +37,10 @@ def open_checkpoint(ckpt_dir: str | os.PathLike[str], tag: str | None = None) ->
     path = resolve(root, tag)
     if path is None:
         raise CheckpointError(f"{root} has no 'latest' file and no metadata.json: pass the tag to read")
-    return CheckpointReader(path)
+    return open_reader(path)
 
 
-def _tensor_keys(reader: CheckpointReader) -> list[str]:
+def _tensor_keys(reader: AnyReader) -> list[str]:
     """The saved state_dict keys that hold tensors, without aliases, in the module's order."""
     keys = reader.meta.get("state_dict_keys") or [*reader.params, *reader.module_extra]
     return [
@@ -143,3 +143,52 @@ def convert_checkpoint(
                 json.dump(hf_config, f, indent=2)
     logger.info("converted %s to %s (%d weight files)", reader.path, out, len(names))
     return names
+
+
+def convert_to_deepspeed(
+    ckpt_dir: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    tag: str | None = None,
+    world_size: int | None = None,
+    stage: int | None = None,
+) -> str:
+    """Write a checkpoint (zeroshard's or DeepSpeed's) as a DeepSpeed ZeRO checkpoint in ``out_dir``, for
+    ``world_size`` ranks at ``stage`` (default: those it was saved with), one rank at a time; see
+    deepspeed_writer.py. Returns the checkpoint directory written (``out_dir/<tag>``).
+
+    Raises:
+        ValueError: no stage given for a stage-0 checkpoint, or ``world_size``/``stage`` out of range.
+    """
+    from zeroshard.checkpoint.deepspeed_writer import write_deepspeed_checkpoint
+
+    with open_checkpoint(ckpt_dir, tag) as reader:
+        saved_stage = int(reader.meta.get("stage", 0))
+        if stage is None and saved_stage == 0:
+            raise ValueError(
+                f"{reader.path} was saved at stage 0; DeepSpeed ZeRO checkpoints are stage 1, 2 or 3: "
+                "pass stage="
+            )
+        return write_deepspeed_checkpoint(
+            reader,
+            out_dir,
+            world_size=world_size if world_size is not None else int(reader.meta["world_size"]),
+            stage=stage if stage is not None else saved_stage,
+        )
+
+
+def convert_to_zeroshard(
+    ckpt_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], tag: str | None = None
+) -> str:
+    """Rewrite a DeepSpeed checkpoint in zeroshard's format (checksummed, no pickles) in ``out_dir``, one
+    DeepSpeed rank file in memory at a time; see from_deepspeed.py. Returns the checkpoint directory.
+
+    Raises:
+        CheckpointError: ``ckpt_dir`` is not a DeepSpeed checkpoint (a zeroshard one needs no conversion).
+    """
+    from zeroshard.checkpoint.deepspeed_format import DeepSpeedReader
+    from zeroshard.checkpoint.from_deepspeed import write_zeroshard_checkpoint
+
+    with open_checkpoint(ckpt_dir, tag) as reader:
+        if not isinstance(reader, DeepSpeedReader):
+            raise CheckpointError(f"{reader.path} is already a zeroshard checkpoint: nothing to convert")
+        return write_zeroshard_checkpoint(reader, out_dir)

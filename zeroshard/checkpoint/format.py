@@ -251,14 +251,18 @@ def read_latest(load_dir: str) -> str | None:
 def resolve(load_dir: str, tag: str | None) -> str | None:
     """The checkpoint directory for ``tag`` (default: the one ``latest`` names); None without ``latest``.
 
-    ``load_dir`` may also be a checkpoint directory itself (it holds metadata.json). A tag whose directory
-    is missing while a save was replacing it (it then sits under ``.<tag>.old-*``) resolves to that copy.
+    ``load_dir`` may also be a checkpoint directory itself (it holds metadata.json, or DeepSpeed's model
+    states). A tag whose directory is missing while a save was replacing it (it then sits under
+    ``.<tag>.old-*``) resolves to that copy.
 
     Raises:
         CheckpointError: the tag's directory does not exist, or the tag (or ``latest``) names a path
             outside ``load_dir``.
     """
-    if tag is None and os.path.isfile(os.path.join(load_dir, METADATA_FILE)):
+    if tag is None and (
+        os.path.isfile(os.path.join(load_dir, METADATA_FILE))
+        or any(n.endswith("_model_states.pt") for n in _listdir(load_dir))  # one DeepSpeed checkpoint
+    ):
         return load_dir
     source = "tag="
     if tag is None:
@@ -314,7 +318,8 @@ def read_metadata(path: str) -> dict[str, Any]:
         hint = ""
         if any(n.endswith("model_states.pt") for n in _listdir(path)):
             hint = (
-                " (it looks like a DeepSpeed checkpoint, which holds pickles; zeroshard does not load those)"
+                " (it looks like a DeepSpeed checkpoint: open it with load_checkpoint or open_checkpoint, "
+                "which read DeepSpeed's layout)"
             )
         raise CheckpointError(f"{path} is not a zeroshard checkpoint: it has no {METADATA_FILE}{hint}")
     confined(path, METADATA_FILE, path)

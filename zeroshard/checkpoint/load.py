@@ -26,9 +26,9 @@ from zeroshard.checkpoint.common import (
     param_shape,
     untrained_state,
 )
+from zeroshard.checkpoint.deepspeed_format import AnyReader, open_reader
 from zeroshard.checkpoint.errors import CheckpointError
 from zeroshard.checkpoint.format import EXTRA_FILE, confined, resolve, tag_exists
-from zeroshard.checkpoint.reader import CheckpointReader
 from zeroshard.core.flat_param import FlatUnit, OptimizerSlice
 from zeroshard.core.layout import Piece
 
@@ -93,7 +93,10 @@ def load_checkpoint(
             logger.warning("no '%s' file in %s: no checkpoint loaded (pass tag= to name one)", "latest", root)
         return None, None
     with_optimizer = load_optimizer_states and not load_module_only and engine.optimizer is not None
-    reader = CheckpointReader(path)
+    trained = module_names(engine.module, engine.units).trained
+    names = [n for n, p in engine.module.named_parameters() if id(p) in trained]
+    # Opening a DeepSpeed checkpoint reads (and may refuse) every rank file: all ranks agree it worked.
+    reader = collectively(comm, f"opening checkpoint {path}", lambda: open_reader(path, names))
     with reader:
         plan = collectively(
             comm,
@@ -125,7 +128,7 @@ def load_checkpoint(
     return path, client_state
 
 
-def _plan(engine: TrainingState, reader: CheckpointReader, strict: bool, with_optimizer: bool) -> _Plan:
+def _plan(engine: TrainingState, reader: AnyReader, strict: bool, with_optimizer: bool) -> _Plan:
     plan = _Plan()
     names = module_names(engine.module, engine.units)
     _check_names(reader, names.state_keys, strict)
@@ -154,7 +157,7 @@ def _plan(engine: TrainingState, reader: CheckpointReader, strict: bool, with_op
     return plan
 
 
-def _check_names(reader: CheckpointReader, state_keys: list[str], strict: bool) -> None:
+def _check_names(reader: AnyReader, state_keys: list[str], strict: bool) -> None:
     model = set(state_keys)
     missing = [k for k in state_keys if reader.canonical(k) is None]
     saved = [*reader.params, *reader.module_extra, *reader.aliases]
@@ -170,7 +173,7 @@ def _check_names(reader: CheckpointReader, state_keys: list[str], strict: bool) 
         )
 
 
-def _check_shape(reader: CheckpointReader, name: str, stored: str, shape: tuple[int, ...]) -> None:
+def _check_shape(reader: AnyReader, name: str, stored: str, shape: tuple[int, ...]) -> None:
     saved = reader.shape(stored)
     if saved != shape:
         raise CheckpointError(
@@ -178,7 +181,7 @@ def _check_shape(reader: CheckpointReader, name: str, stored: str, shape: tuple[
         )
 
 
-def _plan_optimizer(engine: TrainingState, reader: CheckpointReader, plan: _Plan) -> None:
+def _plan_optimizer(engine: TrainingState, reader: AnyReader, plan: _Plan) -> None:
     opt = engine.optimizer
     saved = reader.meta.get("optimizer")
     if opt is None or saved is None:
@@ -209,7 +212,7 @@ def _plan_optimizer(engine: TrainingState, reader: CheckpointReader, plan: _Plan
         plan.files.update(reader.files_for(stored, start, end))
 
 
-def _load_tensors(module: torch.nn.Module, reader: CheckpointReader, plan: _Plan) -> None:
+def _load_tensors(module: torch.nn.Module, reader: AnyReader, plan: _Plan) -> None:
     with torch.no_grad():
         for unit, piece, stored in plan.pieces:
             reader.read_range(
@@ -236,7 +239,7 @@ def _place(key: str, value: Any, master: torch.Tensor, group: dict[str, Any]) ->
     return value.to(master.device)
 
 
-def _load_optimizer(engine: TrainingState, reader: CheckpointReader, plan: _Plan) -> None:
+def _load_optimizer(engine: TrainingState, reader: AnyReader, plan: _Plan) -> None:
     opt = engine.optimizer
     saved = reader.meta.get("optimizer")
     if opt is None or saved is None:
@@ -257,7 +260,7 @@ def _load_optimizer(engine: TrainingState, reader: CheckpointReader, plan: _Plan
         }
 
 
-def _load_training_state(engine: TrainingState, reader: CheckpointReader, load_scheduler: bool) -> None:
+def _load_training_state(engine: TrainingState, reader: AnyReader, load_scheduler: bool) -> None:
     meta = reader.meta
     sched = meta.get("lr_scheduler")
     if load_scheduler and engine.lr_scheduler is not None:
@@ -276,7 +279,9 @@ def _load_training_state(engine: TrainingState, reader: CheckpointReader, load_s
     # accumulation window]).
     engine.micro_steps = engine.global_steps * engine.config.gradient_accumulation_steps
     _load_data_position(engine, reader)
-    if meta["world_size"] == engine.comm.world_size:
+    if meta.get("rng") is None:
+        pass  # DeepSpeed checkpoints hold no RNG state
+    elif meta["world_size"] == engine.comm.world_size:
         rng.set_rng_state(reader.decode(meta["rng"][engine.comm.rank]))
     elif engine.comm.rank == 0:
         logger.info(
@@ -286,7 +291,7 @@ def _load_training_state(engine: TrainingState, reader: CheckpointReader, load_s
         )
 
 
-def _load_data_position(engine: TrainingState, reader: CheckpointReader) -> None:
+def _load_data_position(engine: TrainingState, reader: AnyReader) -> None:
     """Put the engine's data loader where the saved run's was (zeroshard/data.py [Note: data position])."""
     loader = data_loader(engine)
     saved = reader.meta.get("data")

@@ -284,6 +284,8 @@ def _module_entries(
                 continue
             sink[f"module/{key}"] = value.detach()
             entries[key] = {"key": f"module/{key}", "dtype": dtype_name(value.dtype)}
+            if isinstance(value, torch.nn.Parameter):  # a frozen parameter, not a buffer
+                entries[key]["parameter"] = True
         else:
             entries[key] = {"value": encode(value, f"module.{key}", sink)}
     return entries

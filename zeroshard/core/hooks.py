@@ -36,7 +36,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -118,20 +118,27 @@ class ParameterGatherer:
         # Whether any unit's shard lives on NVMe (decided when the units were built, before this).
         self._reads_ahead = any(u.param_home is not None for _, us in module_units for u in us)
 
+    @property
+    def discovering(self) -> bool:
+        """Whether the next forward watches torch calls for external parameters. Such a forward runs eagerly
+        under ``torch.compile`` (see ``ZeroshardEngine._forward``): compiled, the watching would be traced
+        into every graph, which then changes when the watching stops."""
+        return self._discovering
+
     # -- hooks ---------------------------------------------------------------------------------------
     def register(self, root: nn.Module) -> None:
         """Install the module hooks, and on ``root`` the saved-tensor hooks of [Note: saved views] for the
         duration of every forward (also when the model is called directly, not through the engine)."""
         for key, module in self._modules.items():
-            self._handles.append(module.register_forward_pre_hook(self._make_pre(key)))
-            self._handles.append(module.register_forward_hook(self._make_post(key)))
+            self._handles.append(module.register_forward_pre_hook(_eager(self._make_pre(key))))
+            self._handles.append(module.register_forward_hook(_eager(self._make_post(key))))
         if id(root) not in self._modules:  # adopted units need a running module to belong to
             self._units_of[id(root)] = []
             self._modules[id(root)] = root
-            self._handles.append(root.register_forward_pre_hook(self._make_pre(id(root))))
-            self._handles.append(root.register_forward_hook(self._make_post(id(root))))
-        self._handles.append(root.register_forward_pre_hook(self._enter_forward, prepend=True))
-        self._handles.append(root.register_forward_hook(self._exit_forward, always_call=True))
+            self._handles.append(root.register_forward_pre_hook(_eager(self._make_pre(id(root)))))
+            self._handles.append(root.register_forward_hook(_eager(self._make_post(id(root)))))
+        self._handles.append(root.register_forward_pre_hook(_eager(self._enter_forward), prepend=True))
+        self._handles.append(root.register_forward_hook(_eager(self._exit_forward), always_call=True))
 
     def _enter_forward(self, module: nn.Module, args: Any) -> None:
         if not self._access:
@@ -332,7 +339,13 @@ class ParameterGatherer:
                 if write_back:
                     unit.copy_full_to_master()
                 self._users[unit.index] -= 1
-                if self._users[unit.index] == 0:
+                # In backward, a unit whose gradients are still to come stays gathered until they are
+                # reduced (on_reduced) or backward ends: autograd lays each gradient out like its
+                # parameter's data, so that data must still be full when the gradient lands (a custom
+                # Function that gathers its saved weight in backward returns that weight's gradient
+                # after leaving the block).
+                pending = self._in_backward and unit.index not in self._done
+                if self._users[unit.index] == 0 and not pending:
                     unit.release()
 
     def begin_backward(self) -> None:
@@ -372,6 +385,13 @@ class ParameterGatherer:
         if self._units_cache is None:
             self._units_cache = unique_units(u for units in self._units_of.values() for u in units)
         return self._units_cache
+
+
+def _eager(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """``hook`` run eagerly under ``torch.compile``: the compiler stops at the hook (one graph break each),
+    runs it as Python (collectives, ``param.data`` swaps) and compiles the module's own code around it.
+    Traced instead, the gathers would break the graph at every collective and every buffer check."""
+    return torch.compiler.disable(hook, recursive=True)
 
 
 def unique_units(units: Iterable[FlatUnit]) -> list[FlatUnit]:

@@ -135,6 +135,7 @@ class ShardedStep:
     ) -> None:
         self.allgather_bucket_size = allgather_bucket_size
         self.swapper = swapper
+        self.stepping = False  # inside run(): the only place the client optimizer may step
         self.units = list(units)
         self.slices = list(slices)
         self.comm = comm
@@ -169,15 +170,19 @@ class ShardedStep:
 
     def run(self, optimizer: torch.optim.Optimizer) -> None:
         """The optimizer step over the attached gradients: one call, or one per offloaded sub-group."""
-        if self.swapper is not None:
-            self.swapper.step(self._slice_grads, self._factor)
-            return
-        step_grads = self._step_grads()
-        for sl in self.slices:
-            if self._slice_grads[id(sl.master)] is not None:
-                start = sl.piece.shard_start
-                sl.master.grad = step_grads[sl.unit.index][start : start + sl.piece.numel]
-        optimizer.step()
+        self.stepping = True
+        try:
+            if self.swapper is not None:
+                self.swapper.step(self._slice_grads, self._factor)
+                return
+            step_grads = self._step_grads()
+            for sl in self.slices:
+                if self._slice_grads[id(sl.master)] is not None:
+                    start = sl.piece.shard_start
+                    sl.master.grad = step_grads[sl.unit.index][start : start + sl.piece.numel]
+            optimizer.step()
+        finally:
+            self.stepping = False
 
     def _step_grads(self) -> dict[int, torch.Tensor]:
         """Each unit's gradient shard in its master's dtype and on its device, times the pending factor."""

@@ -8,6 +8,12 @@ knobs say. While :class:`SavedViews` is active (every forward of a stage-3 model
 view of a gathered unit's current buffer is packed as (unit, size, stride, offset) and rebuilt in backward
 from the re-gathered buffer, which the gatherer's backward hooks normally have ready; if not, unpacking
 gathers it (backward unpacks in the same order on every rank, so that gather is collective-safe).
+
+Inside a ``GatheredParameters`` block these hooks are lifted (:func:`suspended`). Any saved-tensor hook makes
+autograd hand backward a new tensor object, and code that gathers parameters by hand saves the parameter
+itself and expects it back: TRL's fused LM-head loss calls ``ctx.save_for_backward(lm_head.weight)`` and in
+backward reads ``weight.ds_status`` and gathers it again. Without our hooks autograd keeps the parameter
+object, whose ``data`` the gatherer swaps as for any other use, as DeepSpeed's stage 3 does everywhere.
 """
 
 from __future__ import annotations
@@ -72,6 +78,10 @@ class SavedViews:
         if self._active:
             self._active.pop().__exit__(None, None, None)
 
+    @staticmethod
+    def _is_ours(pack: Any) -> bool:
+        return getattr(pack, "__func__", None) is SavedViews._pack
+
     def _pack(self, tensor: torch.Tensor) -> Any:
         address = tensor.untyped_storage().data_ptr()
         unit = self._unit_at.get(address)
@@ -93,3 +103,24 @@ class SavedViews:
                 "already reduced and its parameters released"
             )
         return unit.full.as_strided(packed.size, packed.stride, packed.offset)
+
+
+@contextlib.contextmanager
+def suspended() -> Iterator[None]:
+    """Lift the saved-tensor hooks of [Note: saved views] that are on top of torch's hook stack for the block,
+    and put them back after it. Hooks that someone else pushed later (activation checkpointing's) stay, and
+    so do ours below them."""
+    autograd = torch._C._autograd
+    top = getattr(autograd, "_top_saved_tensors_default_hooks", None)
+    lifted: list[tuple[Any, Any]] = []
+    while top is not None:
+        hooks = top(False)
+        if hooks is None or not SavedViews._is_ours(hooks[0]):
+            break
+        autograd._pop_saved_tensors_default_hooks()
+        lifted.append(hooks)
+    try:
+        yield
+    finally:
+        for pack, unpack in reversed(lifted):
+            autograd._push_saved_tensors_default_hooks(pack, unpack)

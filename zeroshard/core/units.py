@@ -87,6 +87,10 @@ def build_units(
 ) -> ModelUnits:
     check_dtypes(model, policy)
     ctx = _Ctx(policy, comm, options or UnitOptions())
+    # Frozen parameters belong to no unit: they stay whole on every rank, at every stage. Those zero.Init
+    # partitioned while they were still trainable (from_pretrained under ZeRO-3, then frozen by PEFT) get
+    # their full values back here, in the model's parameter order on every rank.
+    materialize([p for p in model.parameters() if not p.requires_grad], comm)
     if not plan.shard_parameters:
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         units: list[FlatUnit] = []

@@ -1,8 +1,8 @@
-"""``deepspeed.runtime``: the engine, config, LR schedules and ZeRO names."""
+"""``deepspeed.runtime``: the engine, config, LR schedules, ZeRO names and optimizer base classes."""
 
 from __future__ import annotations
 
-from zeroshard.deepspeed.runtime import lr_schedules, zero
+from zeroshard.deepspeed.runtime import base_optimizer, lr_schedules, zero
 from zeroshard.engine import ZeroshardEngine as DeepSpeedEngine
 
-__all__ = ["DeepSpeedEngine", "lr_schedules", "zero"]
+__all__ = ["DeepSpeedEngine", "base_optimizer", "lr_schedules", "zero"]

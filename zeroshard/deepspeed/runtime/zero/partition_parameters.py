@@ -1,11 +1,4 @@
-"""``deepspeed.runtime.zero.partition_parameters``: ``Init``, ``GatheredParameters``, ``ZeroParamStatus``.
-
-Also the two constructor-wrapping names transformers reaches for around ``zero.Init``
-(``prevent_arange_dtype_change`` swaps ``zero_wrapper_for_fp_tensor_constructor`` out and back, and
-compares with ``_orig_torch_arange``). zeroshard's ``Init`` wraps no tensor constructor (tensors are built
-as torch builds them, then each submodule's parameters are cut to this rank's slice), so swapping the
-wrapper changes nothing here.
-"""
+"""``deepspeed.runtime.zero.partition_parameters``: ``Init``, ``GatheredParameters``, ``ZeroParamStatus``."""
 
 from __future__ import annotations
 
@@ -16,19 +9,41 @@ from typing import Any
 import torch
 
 from zeroshard.core.marks import register_external_parameter
-from zeroshard.deepspeed.accelerator import get_accelerator
 from zeroshard.zero import GatheredParameters, Init
 
 __all__ = [
     "GatheredParameters",
     "Init",
     "ZeroParamStatus",
-    "get_accelerator",
     "register_external_parameter",
     "zero_wrapper_for_fp_tensor_constructor",
 ]
 
+# torch's own arange, as imported: transformers' ``prevent_arange_dtype_change`` compares against it.
 _orig_torch_arange = torch.arange
+
+
+def zero_wrapper_for_fp_tensor_constructor(
+    fn: Callable[..., torch.Tensor], target_fp_dtype: torch.dtype | None, target_device: Any
+) -> Callable[..., torch.Tensor]:
+    """``fn`` made to place its tensor on ``target_device`` (unless given a device) and cast floating results
+    to ``target_fp_dtype``.
+
+    DeepSpeed's ``zero.Init`` swaps torch's tensor constructors for such wrappers; transformers replaces this
+    function around ``from_pretrained`` to spare ``torch.arange``. zeroshard's ``Init`` swaps no constructor
+    (it casts parameters, not every tensor, when it partitions them), so replacing this function changes
+    nothing there; it is kept for code that calls or patches it.
+    """
+
+    def wrapped(*args: Any, **kwargs: Any) -> torch.Tensor:
+        if kwargs.get("device") is None and target_device is not None:
+            kwargs["device"] = target_device
+        tensor = fn(*args, **kwargs)
+        if target_fp_dtype is not None and tensor.is_floating_point():
+            tensor = tensor.to(target_fp_dtype)
+        return tensor
+
+    return wrapped
 
 
 class ZeroParamStatus(Enum):
@@ -37,20 +52,3 @@ class ZeroParamStatus(Enum):
     AVAILABLE = 1
     NOT_AVAILABLE = 2
     INFLIGHT = 3
-
-
-def zero_wrapper_for_fp_tensor_constructor(
-    fn: Callable[..., torch.Tensor], target_fp_dtype: torch.dtype | None, target_device: torch.device | None
-) -> Callable[..., torch.Tensor]:
-    """``fn`` with ``device=target_device`` when the call names none, and floating results cast to
-    ``target_fp_dtype`` (DeepSpeed's wrapper; unused by zeroshard's ``Init``, see the module docstring)."""
-
-    def wrapped(*args: Any, **kwargs: Any) -> torch.Tensor:
-        if kwargs.get("device") is None and target_device is not None:
-            kwargs["device"] = target_device
-        tensor = fn(*args, **kwargs)
-        if target_fp_dtype is not None and tensor.is_floating_point():
-            tensor.data = tensor.data.to(target_fp_dtype)
-        return tensor
-
-    return wrapped
