@@ -104,6 +104,7 @@ class ZeroshardEngine(DeepSpeedSurface):
         self._grad_norm: float | None = None
         self._backward_since_step = False
         self._no_sync = False
+        self._report_overflow(False)
 
     # -- the loop ------------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -311,9 +312,10 @@ class ZeroshardEngine(DeepSpeedSurface):
         self.skipped_steps += 1
         self._grad_norm = None
         logger.info("rank %d: step %d skipped: non-finite gradients", self.global_rank, self.global_steps)
-        self._finish_step()
+        self._finish_step(skipped=True)
 
-    def _finish_step(self) -> None:
+    def _finish_step(self, skipped: bool = False) -> None:
+        self._report_overflow(skipped)  # optimizer.overflow, DeepSpeed's flag (engine_surface.py)
         self.reducer.zero_grad()
         self.global_steps += 1
         self.global_samples += self.config.train_batch_size

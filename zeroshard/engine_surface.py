@@ -21,6 +21,7 @@ from torch import nn
 if TYPE_CHECKING:
     from zeroshard.config import ZeroshardConfig
     from zeroshard.core.comm import Comm
+    from zeroshard.core.flat_param import FlatUnit
     from zeroshard.core.stages import StagePlan
 
 __all__ = ["DeepSpeedSurface", "ThroughputTimer"]
@@ -70,10 +71,13 @@ class DeepSpeedSurface(nn.Module):
     global_steps: int
     global_samples: int
     plan: StagePlan
+    units: list[FlatUnit]
+    optimizer: torch.optim.Optimizer | None
     _grad_norm: float | None
     _boundary_override: bool | None = None
     _tput_timer: ThroughputTimer | None = None
     _compiled: bool = False
+    _last_step_overflowed: bool = False
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -126,7 +130,10 @@ class DeepSpeedSurface(nn.Module):
         return self.plan.stage
 
     def get_global_grad_norm(self) -> float | None:
-        """The gradient norm of the last step, before clipping (None before the first step)."""
+        """The gradient norm of the last step, before clipping (None before the first step; inf when the
+        last step was skipped for non-finite gradients, as DeepSpeed reports it)."""
+        if self._last_step_overflowed:
+            return float("inf")
         return self._grad_norm
 
     def train_batch_size(self) -> int:
@@ -171,6 +178,15 @@ class DeepSpeedSurface(nn.Module):
             )
         self._boundary_override = is_boundary
 
+    def _report_overflow(self, skipped: bool) -> None:
+        """Set DeepSpeed's ``optimizer.overflow``: whether the last step was skipped for non-finite
+        gradients (False before the first). accelerate reads it (``optimizer.step_was_skipped``,
+        ``accelerator.optimizer_step_was_skipped``) to hold a torch LR scheduler back on a skipped step, as
+        the engine holds back its own scheduler."""
+        self._last_step_overflowed = skipped
+        if self.optimizer is not None:
+            self.optimizer.overflow = skipped  # type: ignore[attr-defined]
+
     @property
     def tput_timer(self) -> ThroughputTimer:
         if self._tput_timer is None:
@@ -183,13 +199,24 @@ class DeepSpeedSurface(nn.Module):
     ) -> OrderedDict[str, torch.Tensor]:
         """The module's state dict in the compute dtype, gathered, on CPU; on rank 0 only (others: empty).
 
-        Tied parameters appear once, under their first name. Collective: call on all ranks.
+        Keys and order are ``module.state_dict()``'s; tied parameters are one tensor under each of their
+        names, as in DeepSpeed (``save_model`` and ``save_pretrained`` drop the repeats when they write).
+        Collective: call on all ranks.
         """
+        from zeroshard.checkpoint.common import module_names
         from zeroshard.checkpoint.export import live_state
 
+        names = module_names(self.module, self.units)
         specs, tensors = live_state(self, exclude_frozen_parameters=exclude_frozen_parameters)  # type: ignore[arg-type]
-        out: OrderedDict[str, torch.Tensor] = OrderedDict()
-        for spec, tensor in zip(specs, tensors, strict=True):
+        gathered: dict[str, torch.Tensor] = {}
+        for spec, tensor in zip(specs, tensors, strict=True):  # every rank takes part in each gather
             if self.comm.rank == 0:
-                out[spec.key] = tensor
+                gathered[spec.key] = tensor
+        out: OrderedDict[str, torch.Tensor] = OrderedDict()
+        if self.comm.rank != 0:
+            return out
+        for key in names.state_keys:
+            source = names.aliases.get(key, key)
+            if source in gathered:
+                out[key] = gathered[source]
         return out

@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from zeroshard.deepspeed.ops import adam, lamb
+from zeroshard.deepspeed.ops import adagrad, adam, lamb, lion
 
-__all__ = ["adam", "lamb"]
+__all__ = ["adagrad", "adam", "lamb", "lion"]
