@@ -320,6 +320,31 @@ def test_zeroshard_checkpoint_resumes_in_deepspeed(ds_dir: Path, tmp_path: Path)
             assert convert_main([*args, "--world-size", "2", "--stage", str(stage)]) == 0
     assert not [p for p in (back / "z2" / "ckpt").iterdir() if p.name.startswith(".")]  # staging removed
     run_deepspeed(back, resume=back)
+    # DeepSpeed's own zero_to_fp32 reads each directory zeroshard wrote to the same fp32 weights that
+    # zeroshard's reader finds there.
+    from zeroshard.checkpoint import get_fp32_state_dict
+
+    for name, _, _ in ZERO_CASES:
+        ckpt, dumped = back / name / "ckpt", tmp_path / f"{name}-zero_to_fp32.pt"
+        code = (
+            "import sys, torch\n"
+            "from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint as get\n"
+            "torch.save({k: v.clone() for k, v in get(sys.argv[1]).items()}, sys.argv[2])\n"
+        )
+        done = subprocess.run(
+            [_ds_python(), "-c", code, str(ckpt), str(dumped)],
+            env=_ds_env(),
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        theirs = torch.load(dumped, weights_only=True)
+        ours = get_fp32_state_dict(str(ckpt))
+        trained = {k: v for k, v in ours.items() if k in theirs}
+        assert trained and sorted(trained) == sorted(theirs), (name, sorted(theirs), sorted(ours))
+        for key, value in theirs.items():
+            assert torch.equal(value.float(), trained[key].float()), f"{name} {key}: zero_to_fp32 differs"
     scaler = _result(back / "fp16_scaler.pt")  # DeepSpeed unpickled zeroshard's fp16 loss scaler
     assert scaler["class"] == "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"
     assert scaler["cur_scale"] not in (2.0**8, 1.0) and scaler["scale_window"] == 2 and scaler["dynamic"]
