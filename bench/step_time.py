@@ -211,6 +211,7 @@ def worker(rank: int, run: dict[str, Any]) -> dict[str, Any]:
         step(i)
     dist.barrier()
     calls0 = dict(engine.comm.stats.calls_by_op) if runner == "zeroshard" else {}
+    control0 = engine.comm.stats.control_calls if runner == "zeroshard" else 0
     bytes0 = engine.comm.stats.total_bytes if runner == "zeroshard" else 0
     profiler = cProfile.Profile() if run.get("profile") and rank == 0 else None
     times: list[float] = []
@@ -237,6 +238,8 @@ def worker(rank: int, run: dict[str, Any]) -> dict[str, Any]:
         out["comm_calls_per_step_by_op"] = {
             k: (v - calls0.get(k, 0)) / spec["steps"] for k, v in stats.calls_by_op.items()
         }
+        # The small control collectives (the step's fused checks, stage 3's agreements): no model bytes.
+        out["comm_calls_per_step_by_op"]["control"] = (stats.control_calls - control0) / spec["steps"]
         engine.destroy()
     elif runner == "deepspeed":
         out["model_state_bytes"] = reachable_tensor_bytes([list(model.parameters()), engine.optimizer])
@@ -296,7 +299,7 @@ def table(summaries: dict[str, dict[str, Any]]) -> str:
     ]
     for model, summary in summaries.items():
         n = next(iter(summary.values()))["num_parameters"]
-        label = f"{model} ({n / 1e6:.2f}M)" if n < 1e6 else f"{model} ({n / 1e6:.1f}M)"
+        label = f"{model} ({n / 1e3:.0f}k)" if n < 1e6 else f"{model} ({n / 1e6:.1f}M)"
         for name, s in summary.items():
             per_round = ", ".join(f"{r:.2f}" for r in s["ratio_to_ddp_per_round"])
             calls = s["comm_calls_per_step_by_op"]

@@ -145,3 +145,88 @@ def test_stage2_units_are_bounded_with_the_default_reduce_bucket_size() -> None:
         assert mb.communication_buffers <= (MAX_INFLIGHT + 1) * 4 * MAX_UNIT_ELEMENTS
         assert abs(mb.gradients - 4 * n // 2) <= 8 * len(r["unit_sizes"])
         assert abs(r["held"] - (4 * n + 12 * n // 2)) <= 32 * len(r["unit_sizes"]) + 4 * r["slices"]
+
+
+def _full_grads(rank: int, world_size: int) -> list[str]:
+    """safe_get_full_grad against gradients computed in one process on every rank's batches."""
+    from zeroshard.deepspeed.utils import safe_get_full_grad
+
+    failures = []
+    for stage in (0, 1, 2, 3):
+        for gas in (1, 2):
+            model = _mlp(width=31, depth=2)
+            reference = _mlp(width=31, depth=2)
+            config = {
+                "train_micro_batch_size_per_gpu": 4,
+                "gradient_accumulation_steps": gas,
+                "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+                "zero_optimization": {"stage": stage, "reduce_bucket_size": 500},
+            }
+            engine, _, _, _ = zeroshard.initialize(
+                model=model, model_parameters=model.parameters(), config=config
+            )
+
+            def data(r: int, micro: int) -> torch.Tensor:
+                return torch.randn(4, 33, generator=torch.Generator().manual_seed(100 * r + micro))
+
+            for micro in range(gas):
+                engine.backward(engine(data(rank, micro)).pow(2).mean())
+                # Reduced over ranks: every backward at stages 2-3, at the boundary at stages 0-1.
+                reduced = stage >= 2 or micro == gas - 1
+                reference.zero_grad()
+                for m in range(micro + 1):
+                    for r in range(world_size) if reduced else [rank]:
+                        scale = gas * (world_size if reduced else 1)
+                        (reference(data(r, m)).pow(2).mean() / scale).backward()
+                for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+                    got = safe_get_full_grad(p)
+                    assert got is not None and got.shape == p.shape
+                    if not torch.allclose(got, q.grad, rtol=1e-5, atol=1e-7):
+                        failures.append(f"stage {stage} gas {gas} micro {micro} {name}")
+                engine.step()
+            engine.destroy()
+    return failures
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_safe_get_full_grad_gathers_the_reduced_gradient(world_size: int) -> None:
+    """Where only a shard is held (stages 2-3, and 1 after the boundary) the full gradient is gathered on
+    demand; it equals the gradient of the same micro-batches in one process."""
+    for failures in run_distributed(_full_grads, world_size):
+        assert failures == []
+
+
+def _control_calls(rank: int, world_size: int) -> list[tuple[int, str, int, int]]:
+    out = []
+    for stage in (0, 1, 2):
+        for precision in ("fp32", "fp16", "bf16"):
+            model = _mlp(width=31, depth=2)
+            config: dict[str, Any] = {
+                "train_micro_batch_size_per_gpu": 4,
+                "gradient_clipping": 0.5,
+                "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+                "zero_optimization": {"stage": stage, "reduce_bucket_size": 500},
+            }
+            if precision == "fp16":
+                config["fp16"] = {"enabled": True, "auto_cast": True}
+            if precision == "bf16":
+                config["bf16"] = {"enabled": True, "check_grad_overflow": True}
+            engine, _, _, _ = zeroshard.initialize(
+                model=model, model_parameters=model.parameters(), config=config
+            )
+            dtype = next(model.parameters()).dtype
+            for _ in range(2):
+                engine.comm.stats.reset()
+                loss = engine(torch.randn(4, 33, dtype=dtype)).float().pow(2).mean()
+                engine.backward(loss)
+                engine.step()
+            out.append((stage, precision, engine.comm.stats.control_calls, engine.global_steps))
+    return out
+
+
+def test_one_step_needs_one_control_collective() -> None:
+    """The overflow flag, the gradient norm and which parameters got a gradient anywhere travel in one
+    all-reduce: a step at stages 0-2 launches exactly one control collective besides the model state's."""
+    for stage, precision, calls, steps in run_distributed(_control_calls, 2)[0]:
+        assert calls == 1, (stage, precision, calls)
+        assert steps == 2

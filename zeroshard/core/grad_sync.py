@@ -199,6 +199,7 @@ class GradientReducer:
                 unit.grad_full[:lo].zero_()
                 unit.grad_full[hi:].zero_()
                 unit.grad_shard.mul_(undo)
+                unit.grad_reduced = False
         self._window_reduced = False
 
     def _accumulate(self, unit: FlatUnit, i: int, grad: torch.Tensor) -> None:
@@ -330,6 +331,8 @@ class GradientReducer:
                 if full is not kept:
                     kept.copy_(full)
                 kept.mul_(after)
+                for unit in group.units:
+                    unit.grad_reduced = True
 
         else:
             out = self.pool.take(group.layout.chunk, reduce_dtype, full.device)
@@ -349,6 +352,7 @@ class GradientReducer:
                         unit.grad_shard.add_(out.narrow(0, offset, n).to(unit.grad_shard.dtype), alpha=after)
                     else:
                         unit.grad_shard.copy_(out.narrow(0, offset, n)).mul_(after)
+                    unit.grad_reduced = True
                 self.pool.give(out)
                 if pooled is not None:
                     self.pool.give(pooled)
