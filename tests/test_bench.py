@@ -76,3 +76,35 @@ def test_table_row_for_a_system_that_did_not_run() -> None:
     # Every row has the header's number of cells (escaped pipes are not cell separators).
     cells = [line.replace("\\|", "").count("|") for line in lines]
     assert cells == [cells[0]] * 4, cells
+
+
+def test_step_time_quick(tmp_path: Path) -> None:
+    """bench/step_time.py --quick end to end on the tiny MLP: rows for DDP and zeroshard stage 2, finite
+    figures, and the step's scalar checks in one control collective. No timing assertions."""
+    out = tmp_path / "step_time_quick.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "step_time.py"),
+            "--quick",
+            "--models",
+            "mlp",
+            "--only",
+            "zeroshard-stage2",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=280,  # two interpreter pairs; ~15 s on a quiet machine
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    result = json.loads(out.read_text())
+    summary = result["summary"]["mlp"]
+    assert sorted(summary) == ["ddp", "zeroshard-stage2"]
+    for name, row in summary.items():
+        assert row["median_s"] > 0 and math.isfinite(row["ratio_to_ddp"]), name
+        assert row["model_state_bytes"] > 0 and math.isfinite(row["final_loss"]), name
+    calls = summary["zeroshard-stage2"]["comm_calls_per_step_by_op"]
+    assert calls == {"reduce_scatter": 1, "all_gather": 1, "control": 1}, calls
+    assert result["table_markdown"].count("\n") == 1 + len(summary)

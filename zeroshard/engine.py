@@ -237,13 +237,15 @@ class ZeroshardEngine(DeepSpeedSurface):
         step = self.sharded_step
         step.prepare()
         try:
-            if self._check_overflow and step.any_nonfinite():
+            # The overflow flag, the global gradient norm and which parameters got a gradient anywhere
+            # (the others are skipped, as torch skips them): one small all-reduce.
+            checks = step.checks(self.reducer.local_has_grad(), check_overflow=self._check_overflow)
+            if checks.nonfinite:
                 self._skip_step()
                 return
             scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
-            # Which parameters got a gradient anywhere: the others are skipped, as torch skips them.
-            step.attach_grads(self.reducer.global_has_grad())
-            self._grad_norm = step.grad_norm() / scale
+            step.attach_grads(checks.has_grad)
+            self._grad_norm = checks.grad_norm / scale
             if not math.isfinite(self._grad_norm):  # only without loss scaling: checked above otherwise
                 self._nonfinite_without_scaling()
                 return

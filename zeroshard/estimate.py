@@ -6,11 +6,13 @@ same `zeroshard.core.memory.predict` that `engine.memory_breakdown()` reports ne
 
 [Note: estimator assumptions]
 Model states only: parameters, gradients and optimizer state (with the fp32 master copy of mixed
-precision). Activations, the transient gradient buckets, the allocator's fragmentation and the framework's
-own buffers come on top. With N parameters, W = gpus_per_node * nodes ranks, c bytes per parameter in the
-compute dtype (2 for bf16/fp16, 4 for fp32), g bytes per gradient (the same) and S = K + m bytes of
-optimizer state per parameter (K = 8 for Adam's two fp32 moments, m = 4 for the fp32 master copy that
-mixed precision keeps, 0 in fp32), one rank holds:
+precision). Activations, the transient gradient buckets (at stages 1-2 at most three buckets of
+``min(reduce_bucket_size, 2**22)`` elements or the largest parameter, see ``core/units.py`` [Note: bounded
+units]), the allocator's fragmentation and the framework's own buffers come on top. With N parameters,
+W = gpus_per_node * nodes ranks, c bytes per parameter in the compute dtype (2 for bf16/fp16, 4 for
+fp32), g bytes per gradient (the same) and S = K + m bytes of optimizer state per parameter (K = 8 for
+Adam's two fp32 moments, m = 4 for the fp32 master copy that mixed precision keeps, 0 in fp32), one rank
+holds:
 
 ==================  =================  ==================  ====================  ======================
 offload             GPU parameters     GPU gradients       GPU optimizer state   host (CPU or NVMe)

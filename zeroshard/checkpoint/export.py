@@ -30,6 +30,7 @@ from zeroshard.core.flat_param import FlatUnit
 
 if TYPE_CHECKING:
     from zeroshard.checkpoint.state import TrainingState
+    from zeroshard.core.comm import Comm
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -133,21 +134,32 @@ def _gather_from_masters(engine: TrainingState, unit: FlatUnit, index: int) -> t
 
     Collective when the unit is sharded: each rank contributes its piece, padded to the largest piece.
     """
+    return gather_param_from_shards(engine.comm, unit, index, unit.master, "export")
+
+
+def gather_param_from_shards(
+    comm: Comm, unit: FlatUnit, index: int, shard: torch.Tensor, purpose: str
+) -> torch.Tensor:
+    """Parameter ``index`` of ``unit`` assembled from every rank's ``shard`` (this rank's shard of a flat
+    unit-sized tensor: the master, or the gradient shard), in its dtype (1-D).
+
+    Collective when the unit is sharded: each rank contributes its piece, padded to the largest piece.
+    """
     layout = unit.layout
     offset, numel = layout.offsets[index], layout.numels[index]
     if layout.world_size == 1:
-        return unit.master[offset : offset + numel]
+        return shard[offset : offset + numel]
     size = layout.shard_size
     spans = {
         r: (max(offset, r * size), min(offset + numel, (r + 1) * size)) for r in layout.owner_ranks(index)
     }
     chunk = max((hi - lo for lo, hi in spans.values()), default=0)
-    mine = torch.zeros(chunk, dtype=unit.master.dtype, device=unit.master.device)
+    mine = torch.zeros(chunk, dtype=shard.dtype, device=shard.device)
     if unit.rank in spans:
         lo, hi = spans[unit.rank]
-        mine[: hi - lo].copy_(unit.master[lo - unit.rank * size : hi - unit.rank * size])
+        mine[: hi - lo].copy_(shard[lo - unit.rank * size : hi - unit.rank * size])
     gathered = torch.empty(layout.world_size * chunk, dtype=mine.dtype, device=mine.device)
-    engine.comm.all_gather(gathered, mine, what=f"export gather of {unit.names[index]}").wait()
+    comm.all_gather(gathered, mine, what=f"{purpose} gather of {unit.names[index]}").wait()
     full = torch.empty(numel, dtype=mine.dtype, device=mine.device)
     for r, (lo, hi) in spans.items():
         full[lo - offset : hi - offset] = gathered[r * chunk : r * chunk + hi - lo]

@@ -134,7 +134,8 @@ class ZeroConfig(Block):
     reduce_scatter: Bool = True
     """Reduce gradients with reduce-scatter instead of all-reduce."""
     reduce_bucket_size: Annotated[Int, Field(gt=0)] = 500_000_000
-    """Elements reduced at a time."""
+    """Elements reduced at a time (at most: stage 0-2 units also stop at 2**22 elements, see
+    ``core/units.py`` [Note: bounded units])."""
     use_multi_rank_bucket_allreduce: Bool = True
     """DeepSpeed's combined all-reduce of several ranks' buckets."""
     allgather_partitions: Bool = True

@@ -79,6 +79,8 @@ class CommStats:
     calls_by_op: Counter[str] = field(default_factory=Counter)
     wait_s_by_op: dict[str, float] = field(default_factory=dict)
     """Seconds spent blocked in ``Pending.wait()``, per kind of collective."""
+    control_calls: int = 0
+    """Small control collectives launched (flags, norms, agreements): counted; they carry no model state."""
 
     @property
     def total_bytes(self) -> int:
@@ -99,6 +101,7 @@ class CommStats:
         self.bytes_by_op.clear()
         self.calls_by_op.clear()
         self.wait_s_by_op.clear()
+        self.control_calls = 0
 
 
 class Pending:
@@ -371,6 +374,7 @@ class Comm:
         """
         if self.world_size == 1:
             return Agreement(_DONE, torch.tensor([values], dtype=torch.int64))
+        self.stats.control_calls += 1
         mine = torch.tensor(values, dtype=torch.int64, device=self.device)
         out = torch.empty(self.world_size * len(values), dtype=torch.int64, device=self.device)
         fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -384,6 +388,7 @@ class Comm:
         """
         if self.world_size == 1:
             return flags
+        self.stats.control_calls += 1
         buf = flags.to(device=self.device, dtype=torch.uint8)
         work = dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
         Pending(work, what, self.rank, self.timeout).wait()
@@ -393,6 +398,7 @@ class Comm:
         """Sum a small tensor across ranks (e.g. squared gradient norms). Collective: call on all ranks."""
         if self.world_size == 1:
             return value
+        self.stats.control_calls += 1
         buf = value.to(self.device)
         work = dist.all_reduce(buf, group=self.group, async_op=True)
         Pending(work, what, self.rank, self.timeout).wait()

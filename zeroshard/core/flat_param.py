@@ -139,6 +139,9 @@ class FlatUnit:
             self.grad_shard = self.grad_full[lo:hi]
         # Which parameters received a gradient since the last zero_grad (on this rank).
         self.has_grad = torch.zeros(len(self.params), dtype=torch.bool)
+        # Whether the gradient shard holds values reduced across ranks (set by the reducer): always once a
+        # backward ran where gradients are sharded; at stages 0-1 from the boundary's reduction on.
+        self.grad_reduced = False
 
     def _gather_own_pieces(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """This rank's shard of the parameters' current values, as a new tensor of ``dtype``."""
@@ -331,6 +334,7 @@ class FlatUnit:
         else:
             self.grad_shard.zero_()
         self.has_grad.zero_()
+        self.grad_reduced = False
 
     def bytes_held(self) -> dict[str, int]:
         """Bytes of the tensors this unit owns, by kind (shared storage counted once)."""

@@ -37,6 +37,9 @@ lacks a gradient (a parameter unused on that rank) launches it only at the end o
 need this rank's next parameter gather. So each launch also launches a tiny collective, a marker, on the
 same group; a marker completes only when every rank has launched its reduction, and completion is polled,
 never waited for. Every rank launches the same markers in the same order (one per group's reduction).
+Where parameters are not gathered in backward (stages 0-2) a peer reaches every launch without waiting for
+this rank, so there is no marker: the oldest reduction beyond ``MAX_INFLIGHT`` is waited for at once, which
+bounds stage 2's buckets by the unit size times ``MAX_INFLIGHT + 1`` whatever the model's size.
 """
 
 from __future__ import annotations
@@ -69,7 +72,7 @@ class GradientReducer:
     ``bucket_elements`` (``reduce_bucket_size``) bounds how many elements of consecutive units' transient
     buckets are reduced in one collective ([Note: coalesced reduction]), and so does the largest unit.
 
-    Collective: :meth:`finish_backward` and :meth:`global_has_grad` must be called on all ranks.
+    Collective: :meth:`finish_backward` must be called on all ranks.
     """
 
     def __init__(
@@ -196,6 +199,7 @@ class GradientReducer:
                 unit.grad_full[:lo].zero_()
                 unit.grad_full[hi:].zero_()
                 unit.grad_shard.mul_(undo)
+                unit.grad_reduced = False
         self._window_reduced = False
 
     def _accumulate(self, unit: FlatUnit, i: int, grad: torch.Tensor) -> None:
@@ -327,6 +331,8 @@ class GradientReducer:
                 if full is not kept:
                     kept.copy_(full)
                 kept.mul_(after)
+                for unit in group.units:
+                    unit.grad_reduced = True
 
         else:
             out = self.pool.take(group.layout.chunk, reduce_dtype, full.device)
@@ -346,13 +352,16 @@ class GradientReducer:
                         unit.grad_shard.add_(out.narrow(0, offset, n).to(unit.grad_shard.dtype), alpha=after)
                     else:
                         unit.grad_shard.copy_(out.narrow(0, offset, n)).mul_(after)
+                    unit.grad_reduced = True
                 self.pool.give(out)
                 if pooled is not None:
                     self.pool.give(pooled)
 
         held = 0 if group.keeps_full else full.numel() * full.element_size()
         marker = None
-        if self.overlap_comm and held:
+        # Only where a rank's backward gathers parameters (stage 3) can waiting for a peer's launch
+        # deadlock; elsewhere the oldest reduction is simply waited for ([Note: bounded reductions]).
+        if self.overlap_comm and held and self.plan.shard_parameters:
             marker = self.comm.agree_async([self._next], what=f"reduction marker of {names}")
         self._inflight.append((marker, pending, then, held))
         self._inflight_bytes += held
@@ -364,16 +373,12 @@ class GradientReducer:
         self._retire_safely()
 
     # -- the accumulation boundary -------------------------------------------------------------------
-    def global_has_grad(self) -> list[torch.Tensor]:
-        """Per unit, which parameters got a gradient on any rank in any micro-step since the last zero.
-
-        Collective: call on all ranks.
-        """
-        flags = (
-            torch.cat([u.has_grad for u in self.units]) if self.units else torch.zeros(0, dtype=torch.bool)
-        )
-        merged = self.comm.any_true(flags)
-        return list(torch.split(merged, [len(u.params) for u in self.units]))
+    def local_has_grad(self) -> torch.Tensor:
+        """This rank's flags, one per parameter of every unit in order: whether it got a gradient in any
+        micro-step since the last zero. ``ShardedStep.checks`` combines them across ranks."""
+        if not self.units:
+            return torch.zeros(0, dtype=torch.bool)
+        return torch.cat([u.has_grad for u in self.units])
 
     def zero_grad(self) -> None:
         for unit in self.units:

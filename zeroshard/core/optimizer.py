@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -109,6 +110,22 @@ def reseat_optimizer(optimizer: torch.optim.Optimizer, sharded_groups: Sequence[
     optimizer.state.clear()
 
 
+@dataclass(frozen=True)
+class StepChecks:
+    """What every rank must agree on before an optimizer step, all from one all-reduce of a few numbers.
+
+    Attributes:
+        nonfinite: some rank's reduced gradients hold inf or NaN (always False when not checked).
+        grad_norm: the global L2 norm of the reduced gradients (still multiplied by any loss scale).
+        has_grad: per parameter of every unit (in unit order), whether any rank produced a gradient for it
+            since the last zero (``GradientReducer.local_has_grad``'s layout).
+    """
+
+    nonfinite: bool
+    grad_norm: float
+    has_grad: torch.Tensor
+
+
 class ShardedStep:
     """Turns reduced gradient shards into the optimizer's gradients and runs the post-step gather.
 
@@ -120,8 +137,8 @@ class ShardedStep:
     inside the swapper so that no fp32 copy of every gradient ever exists. The values are the same on
     every path.
 
-    Collective: :meth:`grad_norm` (sharded stages), :meth:`any_nonfinite` and :meth:`gather_params` must be
-    called on all ranks.
+    Collective: :meth:`checks` (the overflow flag, the gradient norm and which parameters got a gradient,
+    fused into one all-reduce) and :meth:`gather_params` must be called on all ranks.
     """
 
     def __init__(
@@ -144,6 +161,12 @@ class ShardedStep:
         self._slice_grads: dict[int, torch.Tensor | None] = {}
         self._factor = 1.0  # pending gradient scale: unscale and clip, applied by run()
         self._host_grads: dict[int, torch.Tensor] = {}  # pinned fp32 staging for masters in CPU memory
+        # Where each unit's parameters start in the flat has_grad flags (units in order, one flag each).
+        self._first_flag: dict[int, int] = {}
+        offset = 0
+        for unit in self.units:
+            self._first_flag[unit.index] = offset
+            offset += len(unit.params)
 
     def prepare(self) -> None:
         """Take each unit's reduced gradient shard, as it is, for the checks, the norm and the step."""
@@ -156,14 +179,15 @@ class ShardedStep:
         self._grads = {}
         self._slice_grads = {}
 
-    def attach_grads(self, has_grad: Sequence[torch.Tensor]) -> None:
+    def attach_grads(self, has_grad: torch.Tensor) -> None:
         """Record each slice's gradient (a view of the reduced shard), or None where no rank produced one.
 
-        :meth:`run` hands them to the optimizer (or the NVMe swapper, one sub-group at a time).
+        ``has_grad`` holds one flag per parameter of every unit, in unit order (``StepChecks.has_grad``).
+        :meth:`run` hands the gradients to the optimizer (or the NVMe swapper, one sub-group at a time).
         """
-        by_unit = {u.index: flags for u, flags in zip(self.units, has_grad, strict=True)}
+        flags = has_grad.tolist()  # one conversion, not one tensor read per slice
         for sl in self.slices:
-            used = bool(by_unit[sl.unit.index][sl.piece.index])
+            used = flags[self._first_flag[sl.unit.index] + sl.piece.index]
             start = sl.piece.shard_start
             grad = self._grads[sl.unit.index][start : start + sl.piece.numel] if used else None
             self._slice_grads[id(sl.master)] = grad
@@ -207,12 +231,32 @@ class ShardedStep:
                 grad.mul_(self._factor)
         return out
 
-    def any_nonfinite(self) -> bool:
-        """Whether any rank's gradients hold inf or NaN (one small all-reduce)."""
-        # One flag per unit, combined where the gradients are: one host sync in all, not one per unit.
-        flags = [torch.isfinite(g).all() for g in self._grads.values()]
-        local = ~torch.stack(flags).all().reshape(1) if flags else torch.zeros(1, dtype=torch.bool)
-        return bool(self.comm.any_true(local, what="overflow flag all_reduce")[0])
+    def checks(self, has_grad: torch.Tensor, *, check_overflow: bool) -> StepChecks:
+        """Everything the step must agree on across ranks, in one small all-reduce (see StepChecks).
+
+        ``has_grad`` is this rank's flags, one per parameter of every unit in order
+        (``GradientReducer.local_has_grad``). Collective: call on all ranks.
+        """
+        device = self.comm.device
+        sq_norm = self._local_sq_norm().to(device)
+        nonfinite = torch.zeros((), dtype=torch.float64, device=device)
+        if check_overflow:
+            # One flag per unit, combined where the gradients are: one host sync in all, not one per unit.
+            flags = [torch.isfinite(g).all().to(device) for g in self._grads.values()]
+            if flags:
+                nonfinite = (~torch.stack(flags).all()).to(torch.float64)
+        # Sharded stages sum the squared norms of their shards; at stage 0 every rank holds the whole
+        # reduced gradient, so its own norm is the global one and only the flags are summed.
+        shared = sq_norm if self.plan.shard_optimizer else torch.zeros_like(sq_norm)
+        flags64 = has_grad.to(device=device, dtype=torch.float64)
+        packed = torch.cat([torch.stack([nonfinite, shared]), flags64])
+        summed = self.comm.sum_scalar(packed, what="step checks all_reduce").cpu()  # the one host sync
+        total = float(summed[1]) if self.plan.shard_optimizer else float(sq_norm)
+        return StepChecks(
+            nonfinite=bool(summed[0] > 0),
+            grad_norm=math.sqrt(total),  # nan or inf where the gradients are not finite
+            has_grad=summed[2:] > 0,
+        )
 
     def nonfinite_names(self) -> list[str]:
         """Names of this rank's parameters whose gradient pieces are not finite."""
@@ -225,16 +269,15 @@ class ShardedStep:
             start = sl.piece.shard_start
             yield self._grads[sl.unit.index][start : start + sl.piece.numel]
 
-    def grad_norm(self) -> float:
-        """Global L2 norm of the reduced gradients (one all-reduce when gradients are sharded)."""
+    def _local_sq_norm(self) -> torch.Tensor:
+        """The squared L2 norm of this rank's reduced gradient pieces, as a float64 scalar tensor."""
         # One fp32 norm per parameter piece, as torch.nn.utils.clip_grad_norm_ takes one per parameter (no
         # fp64 copy of the gradients). Not one per unit: torch's CPU fp32 norm loses accuracy with length
         # (2 % off over 1.7e8 elements, 1e-5 over 1e6), so a whole-unit norm would clip differently.
         norms = [torch.linalg.vector_norm(g, dtype=torch.float32) for g in self._piece_grads() if g.numel()]
-        local = torch.stack(norms).double().pow(2).sum() if norms else torch.zeros((), dtype=torch.float64)
-        if self.plan.shard_optimizer:
-            local = self.comm.sum_scalar(local, what="gradient-norm all_reduce")
-        return math.sqrt(float(local))
+        if not norms:
+            return torch.zeros((), dtype=torch.float64)
+        return torch.stack(norms).double().pow(2).sum()
 
     def scale_grads(self, factor: float) -> None:
         """Multiply the gradients the optimizer will see by ``factor`` (applied by :meth:`run`)."""

@@ -1,7 +1,8 @@
 """Which parameters are communicated together: building the units of a model.
 
 * Stages 0-2: consecutive trainable parameters, in registration order, in units of at most
-  ``reduce_bucket_size`` elements.
+  ``min(reduce_bucket_size, MAX_UNIT_ELEMENTS)`` elements (a larger parameter alone), see [Note: bounded
+  units].
 * Stage 3 (DeepSpeed's default granularity): one unit per module that directly owns trainable parameters,
   in module order. A module whose parameters total at most ``stage3_param_persistence_threshold`` elements
   keeps them full on every rank (consecutive such modules share a stage-2-like unit). A leaf module
@@ -37,6 +38,17 @@ from zeroshard.zero import full_numel, materialize
 logger = logging.getLogger(__name__)
 
 Named = list[tuple[str, nn.Parameter]]
+
+# [Note: bounded units]
+# A unit's gradient is reduced in one collective once all of it has arrived, so the transient gradient
+# bucket of a unit that shards gradients (stage 2, stage 3's persistent units) is as large as the unit.
+# Were units as large as ``reduce_bucket_size`` (5e8 elements by DeepSpeed's default, more than most
+# models), stage 2 would hold a full-size gradient during every backward and save nothing over stage 1.
+# So units of stages 0-2 are also capped at MAX_UNIT_ELEMENTS: the gradient buckets a rank holds are then
+# bounded by the cap (or the largest parameter) times the buckets in flight, whatever the model's size.
+# 2**22 fp32 elements (16 MiB) are large enough that a collective's fixed cost is small next to moving
+# them (gloo on CPU and NCCL alike), and small next to any model where the difference matters.
+MAX_UNIT_ELEMENTS = 1 << 22
 
 # DeepSpeed never makes a module of more parameters than this a leaf by granularity (its Z3_MAX_LEAF_SIZE).
 MAX_LEAF_ELEMENTS = 10**9
@@ -94,9 +106,15 @@ def build_units(
     if not plan.shard_parameters:
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         units: list[FlatUnit] = []
-        _bucket_units(units, named, cfg.zero_optimization.reduce_bucket_size, plan, ctx)
+        _bucket_units(units, named, unit_elements(cfg), plan, ctx)
         return ModelUnits(units, [])
     return _stage3_units(model, cfg, plan, ctx)
+
+
+def unit_elements(cfg: ZeroshardConfig) -> int:
+    """The most elements a bucket-sized unit (stages 0-2, stage 3's persistent parameters) holds: see
+    [Note: bounded units]."""
+    return min(cfg.zero_optimization.reduce_bucket_size, MAX_UNIT_ELEMENTS)
 
 
 def _make(units: list[FlatUnit], named: Named, plan: StagePlan, ctx: _Ctx) -> FlatUnit:
@@ -230,7 +248,7 @@ def _stage3_units(model: nn.Module, cfg: ZeroshardConfig, plan: StagePlan, ctx: 
     def flush_persistent() -> None:
         if persistent:
             first = len(units)
-            _bucket_units(units, persistent, zero.reduce_bucket_size, persistent_plan, ctx)
+            _bucket_units(units, persistent, unit_elements(cfg), persistent_plan, ctx)
             for unit in units[first:]:
                 unit_of.update({id(p): unit for p in unit.params})
             persistent.clear()

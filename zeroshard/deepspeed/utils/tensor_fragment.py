@@ -1,9 +1,10 @@
 """DeepSpeed's ``safe_get_full_*`` / ``safe_set_full_*``: one parameter's full value, whatever the stage.
 
 A trained parameter's fp32 value lives in the master shards the optimizer steps, split over the ranks;
-these functions assemble (or write) one parameter's whole value. Gradients live in the engine only
-between ``backward`` and ``step`` and optimizer states are kept per shard: reading those through a
-parameter is not supported, and says so (use ``engine.save_checkpoint`` / ``zeroshard.checkpoint``).
+these functions assemble (or write) one parameter's whole value. ``safe_get_full_grad`` assembles the
+gradient the same way (it lives in the engine between ``backward`` and ``step``). Optimizer states are kept
+per shard: reading them through a parameter is not supported, and says so (use ``engine.save_checkpoint``
+/ ``zeroshard.checkpoint``).
 
 Collective: call on all ranks with the same parameter (the value is gathered from every rank's shard).
 """
@@ -15,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from zeroshard.checkpoint.export import _gather_from_masters
+from zeroshard.checkpoint.export import _gather_from_masters, gather_param_from_shards
 from zeroshard.zero import GatheredParameters, _owner
 
 __all__ = [
@@ -76,15 +77,31 @@ def safe_set_full_fp32_param(param: nn.Parameter, value: torch.Tensor) -> None:
 
 def _refuse(what: str) -> Any:
     raise NotImplementedError(
-        f"{what} is not supported by zeroshard: gradients exist only between backward and step, and "
-        "optimizer states are kept per shard; read them from a checkpoint (engine.save_checkpoint, "
+        f"{what} is not supported by zeroshard: optimizer states are kept per shard; read them from a "
+        "checkpoint (engine.save_checkpoint, "
         "zeroshard.checkpoint.get_fp32_state_dict) instead"
     )
 
 
 def safe_get_full_grad(param: nn.Parameter) -> torch.Tensor | None:
-    """Not supported (see the module docstring): raises ``NotImplementedError`` naming it."""
-    return _refuse("safe_get_full_grad")  # type: ignore[no-any-return]
+    """The parameter's whole gradient as the engine holds it between ``backward`` and ``step``.
+
+    ``param.grad`` when a backward this engine did not run left one there. Otherwise the engine's
+    accumulated gradient, in its accumulation dtype (fp32 unless ``data_types.grad_accum_dtype`` says
+    otherwise), still multiplied by the fp16 loss scale, divided by ``gradient_accumulation_steps``: the
+    average over ranks once it has been reduced (at stages 2-3 after every backward, at stages 0-1 from the
+    boundary's backward on), this rank's own sum before that (as DeepSpeed's ``param.grad`` at stages
+    0-1). Where the engine keeps only shards, the other ranks' pieces are gathered for this call only; a
+    new tensor is returned. Zeros after ``step()`` (which clears the gradients). Collective: all ranks.
+    """
+    if param.grad is not None:
+        return param.grad
+    unit, index, comm = _unit_and_index(param, "safe_get_full_grad")
+    shape = unit.shapes[index]
+    if unit.grad_full is not None and (unit.layout.world_size == 1 or not unit.grad_reduced):
+        lo, hi = unit.param_range(index)
+        return unit.grad_full[lo:hi].reshape(shape).clone()
+    return gather_param_from_shards(comm, unit, index, unit.grad_shard, "gradient").reshape(shape)
 
 
 def safe_get_full_optimizer_state(param: nn.Parameter, optim_state_key: str) -> torch.Tensor | None:
