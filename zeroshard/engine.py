@@ -94,6 +94,9 @@ class ZeroshardEngine(DeepSpeedSurface):
         self._check_overflow = loss_scaler is not None or (
             policy is not None and policy.compute == torch.bfloat16 and config.bf16.check_grad_overflow
         )
+        # fp32: a non-finite gradient norm skips the step too, as DeepSpeed's ZeRO optimizer does; bf16
+        # without check_grad_overflow steps anyway, as DeepSpeed's does ([Note: non-finite gradients]).
+        self._skip_nonfinite_norm = policy is None or policy.compute == torch.float32
         self._cast_inputs = torch.float16 if config.fp16.enabled and config.fp16.auto_cast else None
         self.global_rank = comm.rank
         self.world_size = comm.world_size
@@ -246,7 +249,7 @@ class ZeroshardEngine(DeepSpeedSurface):
             scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
             step.attach_grads(checks.has_grad)
             self._grad_norm = checks.grad_norm / scale
-            if not math.isfinite(self._grad_norm):  # only without loss scaling: checked above otherwise
+            if self._skip_nonfinite_norm and not math.isfinite(self._grad_norm):
                 self._nonfinite_without_scaling()
                 return
             factor = 1.0 / scale  # unscale and clip in one pass over the gradients
@@ -268,9 +271,10 @@ class ZeroshardEngine(DeepSpeedSurface):
         self._finish_step()
 
     def _nonfinite_without_scaling(self) -> None:
-        """[Note: non-finite gradients] The global gradient norm is inf or NaN in fp32 (or bf16 without
-        ``check_grad_overflow``): as DeepSpeed's ZeRO optimizer does, skip the step (no optimizer or scheduler
-        step, ``skipped_steps`` counts it), so one bad batch does not turn every weight into NaN; with
+        """[Note: non-finite gradients] The global gradient norm is inf or NaN in fp32: as DeepSpeed's ZeRO
+        optimizer does, skip the step (no optimizer or scheduler step, ``skipped_steps`` counts it), so one
+        bad batch does not turn every weight into NaN (fp16 skips through its loss scaler, bf16 when
+        ``bf16.check_grad_overflow`` asks, as in DeepSpeed); with
         ``ZEROSHARD_STOP_ON_NONFINITE=1`` raise ``FloatingPointError`` instead, naming the step and the
         parameters whose gradients are not finite. Every rank sees the same norm, so every rank takes the
         same branch. Collective: all ranks."""
