@@ -48,7 +48,7 @@ from zeroshard.checkpoint.deepspeed_index import (
 from zeroshard.checkpoint.deepspeed_pickle import DeepSpeedObject, load_deepspeed_file
 from zeroshard.checkpoint.errors import CheckpointError
 from zeroshard.checkpoint.format import METADATA_FILE, confined
-from zeroshard.checkpoint.reader import VECTOR, CheckpointReader
+from zeroshard.checkpoint.reader import VECTOR, CheckpointReader, agreed_states
 
 logger = logging.getLogger(__name__)
 
@@ -319,17 +319,7 @@ class DeepSpeedReader:
         return self.read_range(name, 0, self.numel(name), out=out).reshape(self.shape(name))
 
     def range_states(self, name: str, start: int, end: int) -> dict[str, str]:
-        found: dict[str, str] | None = None
-        for r in self.ranges.get(name, []):
-            if r.start < end and start < r.end:
-                if found is None:
-                    found = dict(r.states)
-                elif found != r.states:
-                    raise CheckpointError(
-                        f"{self.path}: {name!r} has optimizer state {sorted(found)} in {r.file} and "
-                        f"{sorted(r.states)} in another rank file: the checkpoint is inconsistent"
-                    )
-        return found or {}
+        return agreed_states(self.path, name, self.ranges.get(name, []), start, end)
 
     def read_state(self, name: str, start: int, end: int, state: str) -> Any:
         kind = self.range_states(name, start, end).get(state)

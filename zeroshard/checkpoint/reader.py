@@ -9,9 +9,10 @@ caller asks for.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -45,6 +46,31 @@ class SavedRange:
     group: int | None
     states: dict[str, str] = field(default_factory=dict)
     values: dict[str, Any] = field(default_factory=dict)
+
+
+class _HasStates(Protocol):
+    @property
+    def start(self) -> int: ...
+    @property
+    def end(self) -> int: ...
+    @property
+    def states(self) -> dict[str, str]: ...
+
+
+def agreed_states(path: str, name: str, ranges: Sequence[_HasStates], start: int, end: int) -> dict[str, str]:
+    """The optimizer-state keys (and kinds) that the saved ``ranges`` overlapping ``name[start:end]`` all
+    hold; ranges that disagree make the checkpoint inconsistent (a CheckpointError naming ``path``)."""
+    found: dict[str, str] | None = None
+    for r in ranges:
+        if r.start < end and start < r.end:
+            if found is None:
+                found = dict(r.states)
+            elif found != r.states:
+                raise CheckpointError(
+                    f"{path}: {name!r} has optimizer state {sorted(found)} in one saved range and "
+                    f"{sorted(r.states)} in another: the checkpoint is inconsistent"
+                )
+    return found or {}
 
 
 class CheckpointReader:
@@ -213,17 +239,7 @@ class CheckpointReader:
 
     def range_states(self, name: str, start: int, end: int) -> dict[str, str]:
         """Optimizer-state keys (and kinds) of ``name[start:end]``; overlapping saved ranges must agree."""
-        found: dict[str, str] | None = None
-        for r in self.ranges.get(name, []):
-            if r.start < end and start < r.end:
-                if found is None:
-                    found = dict(r.states)
-                elif found != r.states:
-                    raise CheckpointError(
-                        f"{self.path}: {name!r} has optimizer state {sorted(found)} in one saved range and "
-                        f"{sorted(r.states)} in another: the checkpoint is inconsistent"
-                    )
-        return found or {}
+        return agreed_states(self.path, name, self.ranges.get(name, []), start, end)
 
     def read_state(self, name: str, start: int, end: int, state: str) -> Any:
         """Optimizer state ``state`` of ``name[start:end]``: a tensor, or a JSON value."""
