@@ -343,3 +343,14 @@ def test_launcher_sequence_parallel_and_init_wrapper_names() -> None:
     assert pp._orig_torch_arange is torch.arange
     wrapped = pp.zero_wrapper_for_fp_tensor_constructor(torch.ones, torch.float16, torch.device("cpu"))
     assert wrapped(3).dtype == torch.float16 and wrapped(3, dtype=torch.int64).dtype == torch.int64
+
+
+def test_flops_profiler_names_import_and_refuse() -> None:
+    """LLaMA-Factory's FLOPs script imports DeepSpeed's profiler: the names import, a call names the
+    feature and what to use instead."""
+    from zeroshard.deepspeed.profiling.flops_profiler import FlopsProfiler, get_model_profile
+
+    with pytest.raises(NotImplementedError, match=r"FLOPs profiler.*FlopCounterMode"):
+        get_model_profile(torch.nn.Linear(2, 2), input_shape=(1, 2))
+    with pytest.raises(NotImplementedError, match="FLOPs profiler"):
+        FlopsProfiler(torch.nn.Linear(2, 2))
