@@ -89,3 +89,46 @@ def test_init_takes_deepspeeds_arguments_and_refuses_others() -> None:
         zeroshard.zero.Init(mpu=object())
     with pytest.raises(ValueError, match="quantized"):
         zeroshard.zero.Init(zero_quantized_weights=True)
+
+
+_TORCH_APPLY = torch.nn.Module.apply
+
+
+class _SelfInitialising(torch.nn.Module):
+    """nanoGPT's pattern: submodules first, then ``self.apply(self._init_weights)`` at the end of
+    ``__init__``, after zero.Init has already partitioned those submodules."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(50, 16)
+        self.blocks = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(3)])
+        self.head = torch.nn.Linear(16, 50)
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(module: torch.nn.Module) -> None:
+        if isinstance(module, torch.nn.Linear):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            torch.nn.init.zeros_(module.bias)
+        elif isinstance(module, torch.nn.Embedding):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+
+def apply_worker(rank: int, world_size: int) -> float:
+    torch.manual_seed(5)
+    want = {k: v.detach().clone() for k, v in _SelfInitialising().named_parameters()}
+    torch.manual_seed(5)
+    with zeroshard.zero.Init():
+        model = _SelfInitialising()
+    assert model.head.weight.numel() == 0, "Init did not partition"
+    with zeroshard.zero.GatheredParameters(list(model.parameters())):
+        worst = max((p.detach() - want[k]).abs().max().item() for k, p in model.named_parameters())
+    if worst != 0.0:
+        raise AssertionError(f"rank {rank}: a model initialised in __init__ under Init differs by {worst}")
+    # Outside Init, apply is torch's own again.
+    assert torch.nn.Module.apply is _TORCH_APPLY
+    return worst
+
+
+def test_init_weights_applied_in_init_equal_one_process() -> None:
+    assert run_distributed(apply_worker, 2) == [0.0, 0.0]

@@ -260,12 +260,15 @@ class Init:
                 keep_large_blocks_mapped()
             register = nn.modules.module.register_module_module_registration_hook
             self._handle = register(self._on_child)
+            self._plain_apply = nn.Module.apply
+            nn.Module.apply = _gathering_apply(self._plain_apply)  # type: ignore[method-assign]
         return self
 
     def __exit__(self, *exc: object) -> None:
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
+            nn.Module.apply = self._plain_apply  # type: ignore[method-assign]
             release_free_memory()
 
     def _on_child(self, parent: nn.Module, name: str, child: nn.Module | None) -> None:
@@ -282,6 +285,31 @@ class Init:
         shard = torch.zeros(layout.shard_size, dtype=param.dtype, device=param.device)
         _PARTITIONED[id(param)] = (weakref.ref(param), param.shape, shard, self.comm)
         _cut(param, shard, self.comm)
+
+
+def _gathering_apply(plain: Any) -> Any:
+    """``nn.Module.apply`` while ``Init`` is active: ``fn`` sees each module's partitioned parameters full,
+    and rank 0's values become every rank's shards afterwards (what ``GatheredParameters(...,
+    modifier_rank=0)`` does). A model that calls ``self.apply(self._init_weights)`` at the end of its
+    ``__init__`` (nanoGPT, many others), after its submodules were partitioned, is initialised as it is
+    without ``Init``; DeepSpeed's ``Init`` does the same. Collective: every rank builds the same model."""
+
+    def apply(module: nn.Module, fn: Any) -> nn.Module:
+        if getattr(fn, "_zeroshard_gathers", False):
+            return plain(module, fn)  # type: ignore[no-any-return]
+
+        def gathered(m: nn.Module) -> None:
+            params = [p for p in m.parameters(recurse=False) if _partition_entry(p) is not None]
+            if not params:
+                fn(m)
+                return
+            with GatheredParameters(params, modifier_rank=0):
+                fn(m)
+
+        gathered._zeroshard_gathers = True  # type: ignore[attr-defined]
+        return plain(module, gathered)  # type: ignore[no-any-return]
+
+    return apply
 
 
 def _cut(param: nn.Parameter, shard: torch.Tensor, comm: Comm) -> None:
