@@ -192,7 +192,11 @@ def run_case(out: Path, case: str, environ: dict[str, str]) -> None:
     case_dir = out / case
     case_dir.mkdir(parents=True, exist_ok=True)
     if how.endswith("file"):
-        (case_dir / "ds_config.json").write_text(json.dumps(ds_config(stage, dummy)))
+        # Every rank writes the same file: each through its own temporary name and an atomic rename, so no
+        # rank can read it half written.
+        tmp = case_dir / f"ds_config.json.{os.environ.get('RANK', '0')}"
+        tmp.write_text(json.dumps(ds_config(stage, dummy)))
+        os.replace(tmp, case_dir / "ds_config.json")
 
     set_seed(3)
     accelerator = make_accelerator(parts, how, stage, case_dir)
