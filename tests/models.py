@@ -87,3 +87,32 @@ def tiny_llama(seed: int = 0) -> nn.Module:
     )
     torch.manual_seed(seed)
     return LlamaForCausalLM(config)
+
+
+def sgd_reference(
+    model: nn.Module,
+    loss_of: Callable[[nn.Module, int, int], torch.Tensor],
+    steps: int,
+    world_size: int,
+    lr: float = 0.1,
+) -> nn.Module:
+    """Train ``model`` in this one process the way ``world_size`` data-parallel ranks would with plain SGD:
+    each step averages the gradients of ``loss_of(model, step, rank)`` over the ranks. Returns ``model``."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    for step in range(steps):
+        opt.zero_grad()
+        for r in range(world_size):
+            (loss_of(model, step, r) / world_size).backward()
+        opt.step()
+    return model
+
+
+def assert_parameters_close(model: nn.Module, ref: nn.Module, case: str, tol: float) -> None:
+    """Every parameter of ``model`` (full values: call inside a gather at stage 3) within ``tol`` relative
+    (norm of the difference over norm of the reference) of ``ref``'s, in order, and finite."""
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        if not bool(torch.isfinite(p).all()):
+            raise AssertionError(f"{case}: {name} is not finite")
+        err = ((p - q).norm() / q.norm()).item()
+        if err > tol:
+            raise AssertionError(f"{case}: {name} {err:.2e} off (bound {tol:.0e})")

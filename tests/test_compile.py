@@ -13,6 +13,7 @@ from torch import nn
 
 import zeroshard
 from tests.distributed import run_distributed
+from tests.models import assert_parameters_close, sgd_reference
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -43,13 +44,7 @@ def worker(rank: int, world_size: int) -> list[str]:
     from torch._dynamo.utils import counters
 
     torch.manual_seed(0)
-    ref = Net()
-    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    for step in range(STEPS):
-        opt.zero_grad()
-        for r in range(world_size):
-            (ref(*_data(step, r)) / world_size).backward()
-        opt.step()
+    ref = sgd_reference(Net(), lambda m, step, r: m(*_data(step, r)), STEPS, world_size)
     done = []
     cases = [(stage, "torch.compile", "aot_eager") for stage in (0, 1, 2, 3)]
     cases += [(3, "engine.compile", "inductor")]  # the default backend, with C++ codegen: the slow one
@@ -81,10 +76,7 @@ def worker(rank: int, world_size: int) -> list[str]:
         if len(set(graphs[2:])) != 1:
             raise AssertionError(f"rank {rank}: {case}: graphs still changing after step 2: {graphs}")
         with engine.gathered_parameters():
-            for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
-                err = ((p - q).norm() / q.norm()).item()
-                if err > 1e-5:
-                    raise AssertionError(f"rank {rank}: {case}: {name} {err:.2e} off")
+            assert_parameters_close(model, ref, f"rank {rank}: {case}", 1e-5)
         engine.destroy()
         done.append(f"{case}: graphs {graphs}")
     return done

@@ -15,6 +15,7 @@ from torch import nn
 import zeroshard
 import zeroshard.deepspeed
 from tests.distributed import run_distributed
+from tests.models import assert_parameters_close, sgd_reference
 from zeroshard.deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
 pytestmark = pytest.mark.timeout(300)
@@ -68,13 +69,7 @@ def _data(step: int, rank: int) -> torch.Tensor:
 
 def worker(rank: int, world_size: int) -> list[str]:
     torch.manual_seed(0)
-    ref = Net()
-    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    for step in range(STEPS):
-        opt.zero_grad()
-        for r in range(world_size):
-            (ref(_data(step, r)) / world_size).backward()
-        opt.step()
+    ref = sgd_reference(Net(), lambda m, step, r: m(_data(step, r)), STEPS, world_size)
     done = []
     for stage in (0, 1, 2, 3):
         torch.manual_seed(0)
@@ -92,10 +87,7 @@ def worker(rank: int, world_size: int) -> list[str]:
             engine.backward(engine(_data(step, rank)))
             engine.step()
         with engine.gathered_parameters():
-            for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
-                err = ((p - q).norm() / q.norm()).item()
-                if err > 1e-5:
-                    raise AssertionError(f"rank {rank}: stage {stage}: {name} {err:.2e} off")
+            assert_parameters_close(model, ref, f"rank {rank}: stage {stage}", 1e-5)
         engine.destroy()
         done.append(f"stage {stage}")
     return done
