@@ -73,23 +73,7 @@ class DeepSpeedAdam(GroupwiseOptimizer):
         super().__init__(params, defaults)
 
     def _step_group(self, group: dict[str, Any]) -> None:
-        params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            if p.grad.is_sparse:
-                raise RuntimeError("DeepSpeedAdam does not support sparse gradients")
-            state = self.state[p]
-            if not state:
-                state["step"] = 0
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["step"] += 1
-            params.append(p)
-            grads.append(p.grad)
-            exp_avgs.append(state["exp_avg"])
-            exp_avg_sqs.append(state["exp_avg_sq"])
-            steps.append(state["step"])
+        params, grads, exp_avgs, exp_avg_sqs, steps = self._adam_moments(group)
         if not params:
             return
         beta1, beta2 = group["betas"]
