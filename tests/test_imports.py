@@ -8,9 +8,17 @@ what it needs as an argument or a protocol (see ``checkpoint/state.py``, ``core/
 from __future__ import annotations
 
 import ast
+import importlib
+import sys
+import types
+import weakref
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 import zeroshard
+from zeroshard.core.owners import OwnerRegistry
 
 PACKAGE = Path(zeroshard.__file__).parent
 
@@ -98,3 +106,65 @@ def test_core_does_not_import_the_layers_above_it() -> None:
         if t.startswith(above)
     }
     assert not bad, f"core modules import layers above them: {sorted(bad)}"
+
+
+# Module-level containers that are filled at run time on purpose, with the reason.
+RUNTIME_GLOBALS_ALLOWED = {
+    # DeepSpeed's get_accelerator()/set_accelerator() is a process-wide choice by its API.
+    "zeroshard.deepspeed.accelerator.real_accelerator._chosen",
+}
+
+
+def _package_modules() -> list[Any]:
+    names = sorted(_module_name(p) for p in PACKAGE.rglob("*.py"))
+    return [importlib.import_module(name) for name in names if not name.endswith("__main__")]
+
+
+def test_no_module_level_registries() -> None:
+    """State lives on its owner (the engine, a ``zero.Init`` context, the module a mark is on), never in a
+    module-level table keyed by ``id()`` or by module ([Note: parameter owners] in core/owners.py).
+
+    A registry shows as a weak dictionary or set, a container keyed by ``id()``s, or a container that is
+    empty at import and filled at run time; constant tables (non-empty, not keyed by ints) pass. The owner
+    registries of ``zero.py`` are the one exception: they list the owners' maps and hold no entry.
+    """
+    weak = (weakref.WeakKeyDictionary, weakref.WeakValueDictionary, weakref.WeakSet)
+    found: list[str] = []
+    registries: list[str] = []
+    for module in _package_modules():
+        for attr, value in vars(module).items():
+            where = f"{module.__name__}.{attr}"
+            if attr.startswith("__") or where in RUNTIME_GLOBALS_ALLOWED:
+                continue
+            if isinstance(value, OwnerRegistry):
+                registries.append(where)
+            elif isinstance(value, weak):
+                found.append(f"{where} ({type(value).__name__})")
+            elif isinstance(value, (dict, set, list)) and type(value) in (dict, set, list):
+                if not value:
+                    found.append(f"{where} (empty {type(value).__name__}, filled at run time)")
+                elif any(type(k) is int and k > 1 << 16 for k in value):  # addresses: id()s
+                    found.append(f"{where} ({type(value).__name__} keyed by id())")
+    assert not found, f"module-level registries: {found}"
+    assert sorted(registries) == ["zeroshard.zero._ENGINES", "zeroshard.zero._INITS"], registries
+
+
+def test_the_scan_finds_a_registry() -> None:
+    """The check above can fail: each kind of registry it looks for is caught."""
+    module = types.ModuleType("zeroshard._probe")
+    module.by_id = {}  # type: ignore[attr-defined]
+    module.by_module = weakref.WeakKeyDictionary()  # type: ignore[attr-defined]
+    module.ints = {id(module): "a"}  # type: ignore[attr-defined]
+    module.table = {"a": 1, 3: "stage 3"}  # type: ignore[attr-defined]
+    sys.modules[module.__name__] = module
+    try:
+        original = _package_modules
+        globals()["_package_modules"] = lambda: [module]
+        with pytest.raises(AssertionError) as err:
+            test_no_module_level_registries()
+    finally:
+        globals()["_package_modules"] = original
+        del sys.modules[module.__name__]
+    message = str(err.value)
+    assert "by_id" in message and "by_module" in message and "ints" in message
+    assert "table" not in message

@@ -296,16 +296,14 @@ def test_stage3_module_api() -> None:
 
 
 def init_cases(rank: int, world_size: int) -> None:
-    from zeroshard.zero import _PARTITIONED
-
     k = 8
     block_bytes = (WIDTH * WIDTH + WIDTH) * 4
     ref = _blocks(k)  # the same seed, built whole in one process
     torch.manual_seed(0)
-    with zeroshard.zero.Init():
+    with zeroshard.zero.Init() as init:
         model = nn.Sequential(*[nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(k)])
     resident = sum(p.numel() * p.element_size() for p in model.parameters())
-    shards = sum(entry[2].numel() * entry[2].element_size() for entry in _PARTITIONED.values())
+    shards = sum(entry[1].numel() * entry[1].element_size() for entry in init.partitioned.values())
     # The budget: this rank's 1/W of the model (plus padding), nothing full.
     assert resident == 0 and shards <= k * block_bytes / world_size + 64 * k
     engine, _, _, _ = zeroshard.initialize(

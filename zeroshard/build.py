@@ -29,7 +29,7 @@ from zeroshard.engine import ZeroshardEngine
 from zeroshard.lr_schedules import build_scheduler
 from zeroshard.offload.setup import build_offload
 from zeroshard.optim_factory import build_optimizer, check_optimizer_for_stage
-from zeroshard.zero import install_state_dict_hooks, track
+from zeroshard.zero import TrainedParameters, install_state_dict_hooks
 
 logger = logging.getLogger(__name__)
 
@@ -136,8 +136,8 @@ def initialize(
         )
         gatherer.register(model)
         reducer.on_reduced = gatherer.on_reduced
-    track(units, gatherer, comm)
-    install_state_dict_hooks(model, units, gatherer)
+    trained = TrainedParameters(units, gatherer, comm)
+    install_state_dict_hooks(model, trained)
     engine = ZeroshardEngine(
         model,
         config=cfg,
@@ -160,6 +160,7 @@ def initialize(
         device=device,
         loss_scaler=loss_scaler_from_config(cfg),
         gatherer=gatherer,
+        trained=trained,
     )
     loader = _build_dataloader(training_data, cfg, comm, collate_fn)
     engine.training_dataloader = loader

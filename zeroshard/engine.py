@@ -36,6 +36,7 @@ from zeroshard.data import ResumableDataLoader
 from zeroshard.engine_surface import DeepSpeedSurface
 from zeroshard.offload.setup import Offload
 from zeroshard.telemetry import Telemetry
+from zeroshard.zero import TrainedParameters
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +68,7 @@ class ZeroshardEngine(DeepSpeedSurface):
         loss_scaler: LossScaler | None = None,
         gatherer: ParameterGatherer | None = None,
         offload: Offload | None = None,
+        trained: TrainedParameters | None = None,
     ) -> None:
         super().__init__()
         self.module = module
@@ -85,6 +87,8 @@ class ZeroshardEngine(DeepSpeedSurface):
         self.loss_scaler = loss_scaler
         self.gatherer = gatherer
         self.offload = offload or Offload()
+        # Which unit holds each parameter, for GatheredParameters ([Note: parameter owners]).
+        self.trained = trained or TrainedParameters(self.units, gatherer, comm)
         # The loader initialize(training_data=...) built, if any: checkpoints carry its position (data.py).
         self.training_dataloader: ResumableDataLoader | None = None
         self.telemetry = Telemetry.from_config(config, rank=comm.rank, world_size=comm.world_size, comm=comm)

@@ -10,7 +10,6 @@ import contextlib
 import json
 import logging
 import os
-import weakref
 from collections.abc import Iterable, Sequence
 from types import TracebackType
 from typing import Any
@@ -24,6 +23,7 @@ from zeroshard.core.flat_param import FlatUnit
 from zeroshard.core.hooks import ParameterGatherer
 from zeroshard.core.layout import FlatLayout
 from zeroshard.core.marks import register_external_parameter
+from zeroshard.core.owners import OwnerRegistry, ParameterMap
 from zeroshard.offload.malloc import keep_large_blocks_mapped, release_free_memory
 
 logger = logging.getLogger(__name__)
@@ -31,22 +31,31 @@ logger = logging.getLogger(__name__)
 __all__ = ["GatheredParameters", "Init", "register_external_parameter"]
 
 _Owner = tuple[FlatUnit, ParameterGatherer | None, Comm]
-# Keyed by id(param) with a weak reference to check identity (tensors cannot be dictionary keys by value).
-_OWNERS: dict[int, tuple[weakref.ref[nn.Parameter], _Owner]] = {}
+# The parameter maps of the live engines ([Note: parameter owners] in core/owners.py).
+_ENGINES: OwnerRegistry[_Owner] = OwnerRegistry(weak=True)
 
 
-def track(units: Sequence[FlatUnit], gatherer: ParameterGatherer | None, comm: Comm) -> None:
-    """Remember which engine's unit holds each parameter (called by ``initialize``)."""
-    for key in [k for k, (ref, _) in _OWNERS.items() if ref() is None]:
-        del _OWNERS[key]
-    for unit in units:
-        for param in unit.params:
-            _OWNERS[id(param)] = (weakref.ref(param), (unit, gatherer, comm))
+class TrainedParameters:
+    """The parameters one engine trains, each with the unit that holds it, the engine's gatherer and group.
+
+    The engine and its model's state-dict hooks hold it, so it lives as long as either; ``GatheredParameters``
+    and ``safe_get_full_*`` find it from a parameter ([Note: parameter owners] in core/owners.py).
+    """
+
+    def __init__(self, units: Sequence[FlatUnit], gatherer: ParameterGatherer | None, comm: Comm) -> None:
+        self.units = list(units)
+        self.gatherer = gatherer
+        self.comm = comm
+        self.owners: ParameterMap[_Owner] = ParameterMap()
+        for unit in self.units:
+            for param in unit.params:
+                self.owners[param] = (unit, gatherer, comm)
+        _ENGINES.add(self.owners)
 
 
-def _owner(param: nn.Parameter) -> _Owner | None:
-    entry = _OWNERS.get(id(param))
-    return entry[1] if entry is not None and entry[0]() is param else None
+def owner_of(param: nn.Parameter) -> _Owner | None:
+    """The unit, gatherer and group of the newest engine that trains ``param``, or ``None``."""
+    return _ENGINES.find(param)
 
 
 class GatheredParameters:
@@ -72,7 +81,7 @@ class GatheredParameters:
         plist: list[nn.Parameter] = [params] if isinstance(params, nn.Parameter) else list(params)
         self.modifier_rank = modifier_rank
         self.enabled = enabled
-        self._owned = [owner for owner in map(_owner, plist) if owner is not None]
+        self._owned = [owner for owner in map(owner_of, plist) if owner is not None]
         # Parameters still partitioned by Init (before initialize: how from_pretrained fills a model).
         self._partitioned = [p for p in plist if _partition_entry(p) is not None]
         self._stack = contextlib.ExitStack()
@@ -131,9 +140,7 @@ def _missing(param: nn.Parameter) -> tuple[torch.Size, torch.Tensor, Comm]:
     )
 
 
-def install_state_dict_hooks(
-    model: nn.Module, units: Sequence[FlatUnit], gatherer: ParameterGatherer | None
-) -> None:
+def install_state_dict_hooks(model: nn.Module, trained: TrainedParameters) -> None:
     """``model.state_dict()`` stays local; ``load_state_dict`` reaches the master shards.
 
     [Note: local state_dict]
@@ -144,8 +151,10 @@ def install_state_dict_hooks(
     outside, with a warning (once per model) that says how to get full values: ``engine.full_state_dict()``
     on all ranks, or ``engine.save_16bit_model`` / ``save_checkpoint``. ``load_state_dict`` gathers the units
     the incoming state names and writes the loaded values into their master shards: collective at stage 3
-    (call it on all ranks with the same state).
+    (call it on all ranks with the same state). The hooks hold ``trained``: while the model lives,
+    ``GatheredParameters`` finds its parameters' units.
     """
+    units, gatherer = trained.units, trained.gatherer
     held: list[contextlib.ExitStack] = []
     warned = [False]
 
@@ -190,8 +199,10 @@ def install_state_dict_hooks(
 
 
 # -- building a model already partitioned -----------------------------------------------------------------
-# id(param) -> (weak reference, full shape, this rank's slice of the flattened parameter, the group's Comm)
-_PARTITIONED: dict[int, tuple[weakref.ref[nn.Parameter], torch.Size, torch.Tensor, Comm]] = {}
+# The full shape, this rank's slice of the flattened parameter, and the group's Comm.
+_Partition = tuple[torch.Size, torch.Tensor, Comm]
+# The parameter maps of the Init contexts that still hold partitioned parameters ([Note: parameter owners]).
+_INITS: OwnerRegistry[_Partition] = OwnerRegistry(weak=False)
 
 
 class Init:
@@ -207,6 +218,9 @@ class Init:
     ``GatheredParameters(params, modifier_rank=0)``, before or after ``initialize``: the parameters are full
     inside the block and rank 0's values become every rank's shards on exit (what Hugging Face does under
     ZeRO-3). Outside such a block they are empty placeholders, and writes to them are lost, as in DeepSpeed.
+
+    ``partitioned`` maps each parameter this context cut to its full shape and shard until ``initialize``
+    takes it ([Note: parameter owners] in core/owners.py).
 
     Collective in effect: every rank must build the same model. ``config`` and the other DeepSpeed keyword
     arguments are accepted for compatibility; ``enabled=False`` builds the model normally.
@@ -250,6 +264,8 @@ class Init:
         self.dtype = dtype
         self.comm = Comm(data_parallel_group)
         self._handle: Any = None
+        # This context's partitioned parameters; listed in _INITS until initialize() takes them all.
+        self.partitioned: ParameterMap[_Partition] = ParameterMap()
         # Building a model that will train with NVMe offload: keep the allocator from hoarding the full
         # submodules built here (see offload/malloc.py).
         self._offloading = remote_device == "nvme" or _offloads_to_nvme(config_dict_or_path or config)
@@ -275,7 +291,7 @@ class Init:
         if child is None:
             return
         for param in child.parameters(recurse=False):
-            if id(param) not in _PARTITIONED and param.requires_grad:
+            if _partition_entry(param) is None and param.requires_grad:
                 self._partition(param)
 
     def _partition(self, param: nn.Parameter) -> None:
@@ -283,7 +299,8 @@ class Init:
             param.data = param.data.to(self.dtype)
         layout = FlatLayout.for_shapes([param.numel()], self.comm.world_size)
         shard = torch.zeros(layout.shard_size, dtype=param.dtype, device=param.device)
-        _PARTITIONED[id(param)] = (weakref.ref(param), param.shape, shard, self.comm)
+        self.partitioned[param] = (param.shape, shard, self.comm)
+        _INITS.add(self.partitioned)
         _cut(param, shard, self.comm)
 
 
@@ -322,9 +339,17 @@ def _cut(param: nn.Parameter, shard: torch.Tensor, comm: Comm) -> None:
     param.data = torch.empty(0, dtype=param.dtype, device=param.device)
 
 
-def _partition_entry(param: nn.Parameter) -> tuple[torch.Size, torch.Tensor, Comm] | None:
-    entry = _PARTITIONED.get(id(param))
-    return None if entry is None or entry[0]() is not param else entry[1:]
+def _partition_entry(param: nn.Parameter) -> _Partition | None:
+    return _INITS.find(param)
+
+
+def _take_partition(param: nn.Parameter) -> _Partition | None:
+    """Remove ``param`` from the ``Init`` context that partitioned it; its entry, or ``None``."""
+    for partitioned in _INITS.live():
+        entry = partitioned.pop(param)
+        if entry is not None:
+            return entry
+    return None
 
 
 def _full_value(shape: torch.Size, shard: torch.Tensor, comm: Comm, device: torch.device) -> torch.Tensor:
@@ -363,10 +388,9 @@ def materialize(params: Iterable[nn.Parameter], comm: Comm) -> None:
     Collective: call on all ranks with the same parameters, in the same order.
     """
     for param in params:
-        entry = _partition_entry(param)
+        entry = _take_partition(param)
         if entry is None:
             continue
-        del _PARTITIONED[id(param)]
         shape, shard, built = entry
         if built.world_size != comm.world_size:
             raise RuntimeError(

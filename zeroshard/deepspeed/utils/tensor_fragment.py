@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from zeroshard.checkpoint.export import _gather_from_masters, gather_param_from_shards
-from zeroshard.zero import GatheredParameters, _owner
+from zeroshard.zero import GatheredParameters, owner_of
 
 __all__ = [
     "safe_get_full_fp32_param",
@@ -35,7 +35,7 @@ class _CommHolder:
 
 
 def _unit_and_index(param: nn.Parameter, what: str) -> tuple[Any, int, Any]:
-    owner = _owner(param)
+    owner = owner_of(param)
     if owner is None:
         raise ValueError(
             f"{what}: the parameter (shape {tuple(param.shape)}) is not trained by a zeroshard engine; "
