@@ -34,6 +34,26 @@ def test_a_buffer_still_referenced_elsewhere_is_not_reused() -> None:
     c = pool.take(64, torch.float32, CPU)
     c.fill_(0.0)
     assert torch.equal(held, torch.full((8,), 7.0))
+    # Once the last user lets go, the buffer is idle and reused.
+    address = a.data_ptr()
+    del a, held
+    assert pool.idle_bytes == 256
+    assert pool.take(64, torch.float32, CPU).data_ptr() == address
+
+
+def test_a_copy_of_param_data_or_a_detached_alias_also_holds_the_buffer() -> None:
+    pool = BufferPool(spare_bytes=1 << 20)
+    a = pool.take(64, torch.float32, CPU)
+    param = torch.nn.Parameter(torch.empty(0))
+    param.data = a[:8].view(2, 4)  # a parameter pointed at the buffer, as a gathered unit does
+    kept = param.data  # a user's reference, not an autograd view of the buffer
+    param.data = torch.empty(0)
+    pool.give(a)
+    del a
+    assert pool.idle_bytes == 0
+    assert pool.take(64, torch.float32, CPU).data_ptr() != kept.data_ptr()
+    del kept
+    assert pool.idle_bytes == 256
 
 
 def test_the_pool_footprint_stays_within_the_high_water_mark_plus_the_spare_bytes() -> None:
@@ -66,14 +86,15 @@ def test_without_spare_bytes_idle_buffers_only_fill_the_room_below_the_high_wate
     pool = BufferPool()
     a, b = pool.take(100, torch.float32, CPU), pool.take(100, torch.float32, CPU)  # high water 800 bytes
     pool.give(a)
+    del a  # idle once nothing refers to it
     assert pool.idle_bytes == 400  # 400 out + 400 idle = the high-water mark
     c = pool.take(300, torch.float32, CPU)  # a miss: 1600 out, a new high-water mark, no room left idle
     assert pool.idle_bytes == 0 and pool.high_water_bytes == 1600
     pool.give(b)
     pool.give(c)
-    assert pool.idle_bytes == 1600 and pool.out_bytes == 0
     address = c.data_ptr()
-    del a, b, c
+    del b, c
+    assert pool.idle_bytes == 1600 and pool.out_bytes == 0
     assert pool.take(300, torch.float32, CPU).data_ptr() == address and pool.hits == 1
 
 

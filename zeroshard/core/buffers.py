@@ -12,11 +12,14 @@ first elements.
 
 Invariants:
 
-* A buffer is reused only when nothing else refers to its storage (its use count, checked when it is given
-  back): a view held elsewhere (a user's reference to ``param.data``, a tensor autograd saved) keeps its
-  memory and the buffer is simply dropped to the allocator.
-* The pool's footprint, idle plus handed out, stays within the high-water mark (the most bytes ever handed
-  out at one time) plus ``spare_bytes``: idle buffers fill the room that the step's own peak of live
+* A buffer is reused only when nothing else refers to its memory. The pool hands out an alias of each
+  buffer it owns (``torch.from_dlpack``: a storage of its own over the same memory) and keeps a weak
+  reference to that alias's storage, which lives exactly as long as some tensor uses it (a view, the
+  caller's own reference, a tensor autograd saved, a user's ``param.data``). A given-back buffer becomes
+  idle once that storage is gone, so a buffer still held elsewhere is never handed out again and is reused
+  as soon as its last user lets go. Buffers the pool did not hand out are never kept.
+* The pool's footprint, given back plus handed out, stays within the high-water mark (the most bytes ever
+  handed out at one time) plus ``spare_bytes``: idle buffers fill the room that the step's own peak of live
   buffers leaves, plus a little (the engine sets two of its largest units), never more. The oldest idle
   buffers are freed first when room is needed. So the pool adds at most ``spare_bytes`` to the process's
   peak, and a training step, which repeats the same requests every step, finds every buffer idle after
@@ -29,28 +32,48 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections import OrderedDict
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
+from torch.utils.dlpack import from_dlpack
 
 # How much larger than the request an idle buffer may be and still serve it (a fraction of the request).
 SLACK = 0.25
 
 
-def _storage_users(tensor: torch.Tensor) -> int:
-    return int(torch._C._storage_Use_Count(tensor.untyped_storage()._cdata))
+@dataclass
+class _Returned:
+    """A given-back buffer the pool owns, and the storage of the alias it was lent as."""
+
+    whole: torch.Tensor
+    alias: weakref.ref[torch.UntypedStorage]
+
+    @property
+    def nbytes(self) -> int:
+        return self.whole.numel() * self.whole.element_size()
+
+    def in_use(self) -> bool:
+        return self.alias() is not None
 
 
-# What the count reads for a tensor that is its storage's only user (the temporary Python storage object
-# taken to read it may count too, depending on the torch version).
-_SOLE_USER = _storage_users(torch.empty(1))
+@dataclass
+class _Lent:
+    """A buffer handed out. Both references are weak: a buffer never given back is freed with its alias."""
+
+    memory: weakref.ref[torch.UntypedStorage]  # the pool's buffer (kept alive by the alias while it lives)
+    dtype: torch.dtype
+    numel: int  # the whole buffer's
+    alias: weakref.ref[torch.UntypedStorage]
 
 
-def _first(buffer: torch.Tensor, numel: int) -> torch.Tensor:
-    """The first ``numel`` elements of ``buffer``'s storage as a tensor of its own (not an autograd view,
-    which would keep ``buffer`` alive and so look like a second user of the storage)."""
-    return buffer.new_empty(0).set_(buffer.untyped_storage(), 0, (numel,), (1,))
+def _lend(whole: torch.Tensor, numel: int) -> tuple[torch.Tensor, _Lent]:
+    """An alias of ``whole``'s first ``numel`` elements with a storage of its own, and its record."""
+    alias = from_dlpack(whole[:numel])
+    memory = weakref.ref(whole.untyped_storage())
+    return alias, _Lent(memory, whole.dtype, whole.numel(), weakref.ref(alias.untyped_storage()))
 
 
 class BufferPool:
@@ -58,40 +81,51 @@ class BufferPool:
 
     def __init__(self, spare_bytes: int = 0) -> None:
         self.spare_bytes = spare_bytes
-        self._idle: OrderedDict[int, torch.Tensor] = OrderedDict()  # whole buffers, oldest first
+        self._lent: dict[int, _Lent] = {}  # handed out, by the address of their memory
+        self._returned: OrderedDict[int, _Returned] = OrderedDict()  # given back, oldest first
+        self._returned_bytes = 0  # given back and still owned by the pool, idle or not yet
         self._serial = 0
         self._exempt = 0
-        self.idle_bytes = 0
         self.out_bytes = 0  # handed out and not given back (whole buffers)
         self.high_water_bytes = 0
         self.hits = 0
         self.misses = 0
 
+    @property
+    def idle_bytes(self) -> int:
+        """Bytes of given-back buffers that nothing refers to any more: ready to be handed out again."""
+        return sum(lease.nbytes for lease in self._returned.values() if not lease.in_use())
+
     def room(self) -> int:
-        """How many idle bytes the pool may keep now (see the invariants in [Note: buffer reuse])."""
+        """How many given-back bytes the pool may keep now (see the invariants in [Note: buffer reuse])."""
         return max(0, self.high_water_bytes - self.out_bytes) + self.spare_bytes
 
     def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A 1-D tensor of ``numel`` elements with arbitrary contents (reused, or newly allocated)."""
-        if device.type != "cpu":
+        if device.type != "cpu" or numel == 0:
             return torch.empty(numel, dtype=dtype, device=device)
-        best: tuple[int, torch.Tensor] | None = None
-        for serial, buf in self._idle.items():
-            if buf.dtype == dtype and numel <= buf.numel() <= numel * (1 + SLACK):
-                if best is None or buf.numel() < best[1].numel():
-                    best = (serial, buf)
+        best: tuple[int, _Returned] | None = None
+        for serial, lease in self._returned.items():
+            buf = lease.whole
+            if buf.dtype == dtype and numel <= buf.numel() <= numel * (1 + SLACK) and not lease.in_use():
+                if best is None or buf.numel() < best[1].whole.numel():
+                    best = (serial, lease)
         if best is not None:
-            serial, buf = best
-            del self._idle[serial]
-            nbytes = buf.numel() * buf.element_size()
-            self.idle_bytes -= nbytes
-            self._hand_out(nbytes)
+            serial, lease = best
+            del self._returned[serial]
+            self._returned_bytes -= lease.nbytes
             self.hits += 1
-            return buf if buf.numel() == numel else _first(buf, numel)
-        self.misses += 1
-        self._hand_out(numel * dtype.itemsize)
-        self._trim(self.room())  # the new buffer takes room from idle ones
-        return torch.empty(numel, dtype=dtype, device=device)
+            whole = lease.whole
+        else:
+            self.misses += 1
+            whole = torch.empty(numel, dtype=dtype, device=device)
+        alias, lent = _lend(whole, numel)
+        self._forget_dead_loans()
+        self._lent[whole.data_ptr()] = lent
+        self._hand_out(whole.numel() * whole.element_size())
+        if best is None:
+            self._trim(self.room())  # the new buffer takes room from given-back ones
+        return alias
 
     def _hand_out(self, nbytes: int) -> None:
         self.out_bytes += nbytes
@@ -99,23 +133,29 @@ class BufferPool:
             self.high_water_bytes = max(self.high_water_bytes, self.out_bytes)
 
     def give(self, buffer: torch.Tensor) -> None:
-        """Hand back a tensor from :meth:`take`; its buffer is kept for reuse if nothing else refers to it."""
-        if buffer.device.type != "cpu":
+        """Hand back a tensor from :meth:`take`; its buffer is reused once nothing refers to it any more."""
+        if buffer.device.type != "cpu" or buffer.storage_offset() != 0:
             return
-        sole_user = _storage_users(buffer) == _SOLE_USER  # before this function holds the storage too
-        nbytes = buffer.untyped_storage().nbytes()
-        self.out_bytes = max(0, self.out_bytes - nbytes)
-        if not sole_user or buffer.storage_offset() != 0:
-            return  # still in use elsewhere: the allocator frees it when the last user lets go
-        if nbytes > self.room():
-            return  # no room for it now, or not one of ours (more than the pool ever handed out at once)
-        whole = buffer
-        if buffer.numel() * buffer.element_size() != nbytes:
-            whole = _first(buffer, nbytes // buffer.element_size())
+        lent = self._lent.get(buffer.data_ptr())
+        memory = lent.memory() if lent is not None else None
+        if lent is None or memory is None or lent.alias() is not buffer.untyped_storage():
+            return  # not one of ours (the engine's initial parameters): the allocator frees it
+        del self._lent[buffer.data_ptr()]
+        whole = torch.empty(0, dtype=lent.dtype).set_(memory, 0, (lent.numel,), (1,))
+        returned = _Returned(whole, lent.alias)
+        self.out_bytes = max(0, self.out_bytes - returned.nbytes)
+        if returned.nbytes > self.room():
+            return  # no room for it now: the allocator frees it when its last user lets go
         self._serial += 1
-        self._idle[self._serial] = whole
-        self.idle_bytes += nbytes
+        self._returned[self._serial] = returned
+        self._returned_bytes += returned.nbytes
         self._trim(self.room())
+
+    def _forget_dead_loans(self) -> None:
+        """Drop the records of buffers handed out and freed without being given back."""
+        dead = [address for address, lent in self._lent.items() if lent.memory() is None]
+        for address in dead:
+            del self._lent[address]
 
     @contextlib.contextmanager
     def exempt(self) -> Iterator[None]:
@@ -128,10 +168,10 @@ class BufferPool:
             self._exempt -= 1
 
     def clear(self) -> None:
-        """Free every idle buffer."""
+        """Let go of every given-back buffer."""
         self._trim(0)
 
     def _trim(self, limit: int) -> None:
-        while self._idle and self.idle_bytes > limit:
-            _, old = self._idle.popitem(last=False)
-            self.idle_bytes -= old.numel() * old.element_size()
+        while self._returned and self._returned_bytes > limit:
+            _, old = self._returned.popitem(last=False)
+            self._returned_bytes -= old.nbytes
