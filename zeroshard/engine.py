@@ -8,6 +8,8 @@ A training step, as the user drives it::
 
 The engine owns the bookkeeping of the loop (micro-steps, the accumulation boundary, counters, the
 scheduler); how units are laid out and reduced lives in ``flat_param``, ``grad_sync`` and ``optimizer``.
+What a step does with non-finite gradients is ``nonfinite.py``; the checkpoint methods are
+``engine_checkpoint.py``, DeepSpeed's other engine names ``engine_surface.py``.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -33,18 +34,17 @@ from zeroshard.core.optimizer import ShardedStep
 from zeroshard.core.precision import cast_floating
 from zeroshard.core.stages import StagePlan
 from zeroshard.data import ResumableDataLoader
+from zeroshard.engine_checkpoint import CheckpointMethods
 from zeroshard.engine_surface import DeepSpeedSurface
+from zeroshard.nonfinite import loss_scale_floor_error, stop_or_warn
 from zeroshard.offload.setup import Offload
 from zeroshard.telemetry import Telemetry
 from zeroshard.zero import TrainedParameters
 
 logger = logging.getLogger(__name__)
 
-# Set to 1: a non-finite gradient norm without loss scaling raises instead of skipping the step.
-STOP_ON_NONFINITE = "ZEROSHARD_STOP_ON_NONFINITE"
 
-
-class ZeroshardEngine(DeepSpeedSurface):
+class ZeroshardEngine(DeepSpeedSurface, CheckpointMethods):
     """Wraps a model for ZeRO data-parallel training. Build it with :func:`zeroshard.initialize`.
 
     Collective: ``backward``, ``step`` (at the accumulation boundary) and ``memory_breakdown`` is local;
@@ -99,7 +99,8 @@ class ZeroshardEngine(DeepSpeedSurface):
             policy is not None and policy.compute == torch.bfloat16 and config.bf16.check_grad_overflow
         )
         # fp32: a non-finite gradient norm skips the step too, as DeepSpeed's ZeRO optimizer does; bf16
-        # without check_grad_overflow steps anyway, as DeepSpeed's does ([Note: non-finite gradients]).
+        # without check_grad_overflow steps anyway, as DeepSpeed's does (nonfinite.py [Note: non-finite
+        # gradients]).
         self._skip_nonfinite_norm = policy is None or policy.compute == torch.float32
         self._cast_inputs = torch.float16 if config.fp16.enabled and config.fp16.auto_cast else None
         self.global_rank = comm.rank
@@ -254,14 +255,12 @@ class ZeroshardEngine(DeepSpeedSurface):
             step.attach_grads(checks.has_grad)
             self._grad_norm = checks.grad_norm / scale
             if self._skip_nonfinite_norm and not math.isfinite(self._grad_norm):
-                self._nonfinite_without_scaling()
+                # Skip the step, or stop under ZEROSHARD_STOP_ON_NONFINITE=1 ([Note: non-finite gradients]).
+                stop_or_warn(self.comm, step, step=self.global_steps, grad_norm=self._grad_norm)
+                self._skip_step()
                 return
-            factor = 1.0 / scale  # unscale and clip in one pass over the gradients
-            clip = self.config.gradient_clipping
-            if clip > 0:
-                coef = clip / (self._grad_norm + 1e-6)  # the coefficient of torch.nn.utils.clip_grad_norm_
-                if coef < 1.0:
-                    factor *= coef
+            # Unscale and clip in one pass over the gradients.
+            factor = (1.0 / scale) * _clip_coefficient(self._grad_norm, self.config.gradient_clipping)
             if factor != 1.0:
                 step.scale_grads(factor)
             step.run(self.optimizer)
@@ -274,50 +273,14 @@ class ZeroshardEngine(DeepSpeedSurface):
         step.gather_params()
         self._finish_step()
 
-    def _nonfinite_without_scaling(self) -> None:
-        """[Note: non-finite gradients] The global gradient norm is inf or NaN in fp32: as DeepSpeed's ZeRO
-        optimizer does, skip the step (no optimizer or scheduler step, ``skipped_steps`` counts it), so one
-        bad batch does not turn every weight into NaN (fp16 skips through its loss scaler, bf16 when
-        ``bf16.check_grad_overflow`` asks, as in DeepSpeed); with
-        ``ZEROSHARD_STOP_ON_NONFINITE=1`` raise ``FloatingPointError`` instead, naming the step and the
-        parameters whose gradients are not finite. Every rank sees the same norm, so every rank takes the
-        same branch. Collective: all ranks."""
-        if os.environ.get(STOP_ON_NONFINITE, "") == "1":
-            names = self._nonfinite_names()
-            raise FloatingPointError(
-                f"rank {self.global_rank}: step {self.global_steps}: the gradients are not finite "
-                f"(norm {self._grad_norm}); parameters with non-finite gradients: "
-                f"{', '.join(names) or '(none found)'} ({STOP_ON_NONFINITE}=1 stops here; without it the "
-                "step is skipped)"
-            )
-        if self.global_rank == 0:
-            logger.warning(
-                "step %d skipped: the gradient norm is %s (a non-finite loss or gradient); set %s=1 to stop "
-                "with an error instead",
-                self.global_steps,
-                self._grad_norm,
-                STOP_ON_NONFINITE,
-            )
-        self._skip_step()
-
-    def _nonfinite_names(self) -> list[str]:
-        """Every rank's parameters whose gradients are not finite, sorted. Collective: all ranks."""
-        gathered = self.comm.all_gather_object(self.sharded_step.nonfinite_names())
-        return sorted({name for names in gathered for name in names})
-
     def _skip_step(self) -> None:
         """Some rank's gradients overflowed: no optimizer or scheduler step; shrink the loss scale."""
         if self.loss_scaler is not None:
             try:
                 self.loss_scaler.update(True)
             except LossScaleFloorError as err:
-                names = self._nonfinite_names()
-                raise LossScaleFloorError(
-                    f"fp16 gradients overflowed at the minimum loss scale ({self.loss_scaler.min_scale:g}) "
-                    f"at step {self.global_steps}; parameters with non-finite gradients: "
-                    f"{', '.join(names) or '(none found)'}. Lower the learning rate or fp16.min_loss_scale, "
-                    "check the model for inf/NaN, or train in bf16 (bf16.enabled: true), whose range does "
-                    "not need loss scaling"
+                raise loss_scale_floor_error(
+                    self.comm, self.sharded_step, step=self.global_steps, min_scale=self.loss_scaler.min_scale
                 ) from err
         self.skipped_steps += 1
         self._grad_norm = None
@@ -433,64 +396,10 @@ class ZeroshardEngine(DeepSpeedSurface):
         """Bytes moved by model-state collectives since the engine was built (see comm.py)."""
         return self.comm.stats.total_bytes
 
-    # -- checkpoints: zeroshard.checkpoint does the work -------------------------------------------------
-    def save_checkpoint(
-        self,
-        save_dir: str,
-        tag: str | None = None,
-        client_state: dict[str, Any] | None = None,
-        save_latest: bool = True,
-        exclude_frozen_parameters: bool = False,
-        format: str = "zeroshard",
-        keep_last: int | None = None,
-    ) -> str:
-        """Sharded, atomic checkpoint (see zeroshard.checkpoint.save_checkpoint); ``format="deepspeed"``
-        writes DeepSpeed's ZeRO layout instead (see checkpoint/deepspeed_writer.py). ``keep_last=N``
-        deletes the oldest checkpoints of ``save_dir`` beyond the newest N (zeroshard format). Collective."""
-        from zeroshard.checkpoint import save_checkpoint
-        from zeroshard.checkpoint.deepspeed_writer import save_as_deepspeed
 
-        if format not in ("zeroshard", "deepspeed"):
-            raise ValueError(f"save_checkpoint(format={format!r}): expected 'zeroshard' or 'deepspeed'")
-        with self.offload.resident(write_back=False):
-            if format == "deepspeed":
-                if keep_last is not None:
-                    raise ValueError("save_checkpoint(keep_last=...) applies to format='zeroshard' only")
-                return save_as_deepspeed(
-                    self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters
-                )
-            return save_checkpoint(
-                self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters, keep_last
-            )
-
-    def load_checkpoint(
-        self,
-        load_dir: str,
-        tag: str | None = None,
-        load_module_strict: bool = True,
-        load_optimizer_states: bool = True,
-        load_lr_scheduler_states: bool = True,
-        load_module_only: bool = False,
-    ) -> tuple[str | None, Any]:
-        """Load a checkpoint saved at any world size and stage (see zeroshard.checkpoint). Collective."""
-        from zeroshard.checkpoint import load_checkpoint
-
-        with self.offload.resident(write_back=True):
-            return load_checkpoint(
-                self,
-                load_dir,
-                tag,
-                load_module_strict,
-                load_optimizer_states,
-                load_lr_scheduler_states,
-                load_module_only,
-            )
-
-    def save_16bit_model(
-        self, save_dir: str, save_filename: str = "model.safetensors", exclude_frozen_parameters: bool = False
-    ) -> bool:
-        """Consolidated weights in the compute dtype, safetensors (see zeroshard.checkpoint). Collective."""
-        from zeroshard.checkpoint import save_16bit_model
-
-        with self.offload.resident(write_back=False):
-            return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
+def _clip_coefficient(grad_norm: float, clip: float) -> float:
+    """The factor ``torch.nn.utils.clip_grad_norm_`` applies: ``clip / norm`` when the norm exceeds ``clip``
+    (``gradient_clipping`` > 0), else 1."""
+    if clip <= 0:
+        return 1.0
+    return min(1.0, clip / (grad_norm + 1e-6))

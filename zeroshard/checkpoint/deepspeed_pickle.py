@@ -1,4 +1,4 @@
-"""Reading DeepSpeed's ``*.pt`` pickles without ever running code from them.
+"""Reading DeepSpeed's ``*.pt`` pickles without ever running code from them, and writing them.
 
 [Note: DeepSpeed pickles]
 DeepSpeed writes its checkpoints with ``torch.save``: pickles. A pickle can name any importable callable
@@ -17,6 +17,8 @@ from __future__ import annotations
 import os
 import pickle
 import re
+import types
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -94,3 +96,53 @@ def load_deepspeed_file(path: str) -> Any:
         ) from err
     except (RuntimeError, OSError, EOFError, ValueError) as err:
         raise CheckpointError(f"{path} cannot be read as a torch checkpoint: {err}") from err
+
+
+# -- writing: the stand-ins under DeepSpeed's class names -------------------------------------------
+class _Pickler(pickle._Pickler):  # type: ignore[name-defined,misc]  # the pure-Python pickler
+    """Pickles :class:`DeepSpeedObject` stand-ins under DeepSpeed's class names (nothing is imported)."""
+
+    def save_global(self, obj: Any, name: str | None = None) -> None:
+        ds_class = getattr(obj, "ds_class", None) if isinstance(obj, type) else None
+        if not isinstance(ds_class, str) or not issubclass(obj, DeepSpeedObject):
+            super().save_global(obj, name)  # type: ignore[misc]
+            return
+        module, _, qualname = ds_class.rpartition(".")
+        self.write(pickle.GLOBAL + module.encode() + b"\n" + qualname.encode() + b"\n")  # type: ignore[attr-defined]
+        self.memoize(obj)  # type: ignore[attr-defined]
+
+
+_PICKLE_MODULE = types.SimpleNamespace(Pickler=_Pickler, __name__="pickle")
+
+
+def save_pickle(obj: Any, path: str) -> None:
+    """``torch.save`` ``obj`` to ``path`` (through a temporary name), :class:`DeepSpeedObject` stand-ins
+    under DeepSpeed's class names."""
+    tmp = f"{path}.tmp"
+    torch.save(obj, tmp, pickle_module=_PICKLE_MODULE)
+    os.replace(tmp, path)
+
+
+def deepspeed_loss_scaler(state: Mapping[str, Any] | None) -> DeepSpeedObject:
+    """DeepSpeed's loss scaler object for zeroshard's scaler state (core/loss_scaler.py); static 1.0 when
+    the run had none (fp32 and bf16)."""
+    if state is None or not state.get("dynamic", False):
+        scaler: DeepSpeedObject = _LossScaler()
+        scaler.state = {"cur_scale": float(state["scale"]) if state else 1.0, "dynamic": False}
+        return scaler
+    scaler = _DynamicLossScaler()
+    scaler.state = {
+        "cur_scale": float(state["scale"]),
+        "dynamic": True,
+        "cur_iter": int(state["cur_iter"]),
+        "last_overflow_iter": int(state["last_overflow_iter"]),
+        "scale_factor": float(state["factor"]),
+        "scale_window": int(state["window"]),
+        "min_scale": float(state["min_scale"]),
+        "delayed_shift": int(state["hysteresis"]),
+        "cur_hysteresis": int(state["cur_hysteresis"]),
+        "consecutive_hysteresis": bool(state["consecutive_hysteresis"]),
+        "raise_error_at_min_scale": True,
+        "dtype": torch.float16,
+    }
+    return scaler

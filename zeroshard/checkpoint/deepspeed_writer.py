@@ -8,8 +8,9 @@ of ``model_parameters`` (or of the param group dicts) passed to ``deepspeed.init
 each saved param group's own order (zeroshard records it), else the module's parameter order.
 
 Written one rank at a time: memory holds one rank's flat partition (and its optimizer state), never the
-whole model's optimizer state. DeepSpeed's two pickled classes (its loss scaler, the ZeRO stage enum is
-written as a plain int) are written by name through a pickler that never imports DeepSpeed.
+whole model's optimizer state. DeepSpeed's pickled classes (its loss scaler; the ZeRO stage enum is
+written as a plain int) are written by name through a pickler that never imports DeepSpeed
+(``deepspeed_pickle.save_pickle``).
 """
 
 from __future__ import annotations
@@ -17,9 +18,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-import pickle
 import shutil
-import types
 import uuid
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -28,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from zeroshard.checkpoint.deepspeed_format import MODEL_FILE, AnyReader, DeepSpeedReader
-from zeroshard.checkpoint.deepspeed_pickle import DeepSpeedObject, _DynamicLossScaler, _LossScaler
+from zeroshard.checkpoint.deepspeed_pickle import deepspeed_loss_scaler, save_pickle
 from zeroshard.checkpoint.errors import CheckpointError
 from zeroshard.checkpoint.reader import VECTOR
 
@@ -38,53 +37,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 DS_VERSION = "0.19.8"  # the DeepSpeed release whose layout this writes
-
-
-class _Pickler(pickle._Pickler):  # type: ignore[name-defined,misc]  # the pure-Python pickler
-    """Pickles :class:`DeepSpeedObject` stand-ins under DeepSpeed's class names (nothing is imported)."""
-
-    def save_global(self, obj: Any, name: str | None = None) -> None:
-        ds_class = getattr(obj, "ds_class", None) if isinstance(obj, type) else None
-        if not isinstance(ds_class, str) or not issubclass(obj, DeepSpeedObject):
-            super().save_global(obj, name)  # type: ignore[misc]
-            return
-        module, _, qualname = ds_class.rpartition(".")
-        self.write(pickle.GLOBAL + module.encode() + b"\n" + qualname.encode() + b"\n")  # type: ignore[attr-defined]
-        self.memoize(obj)  # type: ignore[attr-defined]
-
-
-_PICKLE_MODULE = types.SimpleNamespace(Pickler=_Pickler, __name__="pickle")
-
-
-def _save(obj: Any, path: str) -> None:
-    tmp = f"{path}.tmp"
-    torch.save(obj, tmp, pickle_module=_PICKLE_MODULE)
-    os.replace(tmp, path)
-
-
-def _ds_loss_scaler(state: Mapping[str, Any] | None) -> DeepSpeedObject:
-    """DeepSpeed's loss scaler object for zeroshard's scaler state (core/loss_scaler.py); static 1.0 when
-    the run had none (fp32 and bf16)."""
-    if state is None or not state.get("dynamic", False):
-        scaler: DeepSpeedObject = _LossScaler()
-        scaler.state = {"cur_scale": float(state["scale"]) if state else 1.0, "dynamic": False}
-        return scaler
-    scaler = _DynamicLossScaler()
-    scaler.state = {
-        "cur_scale": float(state["scale"]),
-        "dynamic": True,
-        "cur_iter": int(state["cur_iter"]),
-        "last_overflow_iter": int(state["last_overflow_iter"]),
-        "scale_factor": float(state["factor"]),
-        "scale_window": int(state["window"]),
-        "min_scale": float(state["min_scale"]),
-        "delayed_shift": int(state["hysteresis"]),
-        "cur_hysteresis": int(state["cur_hysteresis"]),
-        "consecutive_hysteresis": bool(state["consecutive_hysteresis"]),
-        "raise_error_at_min_scale": True,
-        "dtype": torch.float16,
-    }
-    return scaler
 
 
 def _compute_dtype(config: Mapping[str, Any]) -> torch.dtype:
@@ -196,7 +148,7 @@ def _write_stage12(
             "ds_version": DS_VERSION,
         }
         name = f"{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
-        _save(_optim_file(optimizer_state, common), os.path.join(out, name))
+        save_pickle(_optim_file(optimizer_state, common), os.path.join(out, name))
         if isinstance(reader, DeepSpeedReader):
             reader.close()  # the source's rank files: one at a time
 
@@ -239,14 +191,14 @@ def _write_stage3(
             "fp32_flat_groups": fp32,
         }
         name = f"{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
-        _save(_optim_file(optimizer_state, common), os.path.join(out, name))
+        save_pickle(_optim_file(optimizer_state, common), os.path.join(out, name))
         model = dict(common["model_states"])
         model["module"] = _module(reader, common, placeholders=True)
         model["frozen_param_fragments"] = OrderedDict(
             (key, _chunk(reader.read_full(key, dtype=common["dtype"]).reshape(-1), rank, world_size))
             for key in common["frozen"]
         )
-        _save(model, os.path.join(out, f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"))
+        save_pickle(model, os.path.join(out, f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"))
         if isinstance(reader, DeepSpeedReader):
             reader.close()
 
@@ -323,7 +275,7 @@ def write_deepspeed_checkpoint(
         "config": config,
         "keys": keys,
         "frozen": frozen if stage == 3 else [],
-        "loss_scaler": _ds_loss_scaler(None if scaler is None else reader.decode(scaler["state"])),
+        "loss_scaler": deepspeed_loss_scaler(None if scaler is None else reader.decode(scaler["state"])),
     }
     model_states: dict[str, Any] = {
         "buffer_names": buffers,
@@ -349,7 +301,7 @@ def write_deepspeed_checkpoint(
         _write_stage3(reader, out, world_size, groups, common)
     else:
         model = {"module": _module(reader, common, placeholders=False), **model_states}
-        _save(model, os.path.join(out, MODEL_FILE))
+        save_pickle(model, os.path.join(out, MODEL_FILE))
         _write_stage12(reader, out, world_size, stage, groups, common)
     if save_latest:
         latest = os.path.join(root, "latest")

@@ -24,7 +24,8 @@ backward saved, so the post-hook of the last module it enters never runs.
 
 The order in which units are needed is recorded every step; the next step prefetches from it, and a unit
 that the prefetch would gather again at once (the last modules of the forward, first in the backward) is
-kept instead of released. Every rank gathers in the same order because every rank runs the same modules.
+kept instead of released (``prefetch.py``, [Note: prefetch schedule]). Every rank gathers in the same
+order because every rank runs the same modules.
 Each burst of gathers comes with a small fixed-size check of what every rank is gathering
 (``gather_check.py``, [Note: gather check]): ranks that run different modules raise an error naming each
 rank's units instead of pairing different collectives. Full buffers come from the engine's
@@ -48,6 +49,7 @@ from zeroshard.core.comm import Comm
 from zeroshard.core.flat_param import FlatUnit
 from zeroshard.core.gather_check import GatherChecks
 from zeroshard.core.param_access import ParameterAccess
+from zeroshard.core.prefetch import PrefetchSchedule
 from zeroshard.core.saved_views import SavedViews
 
 
@@ -84,9 +86,11 @@ class ParameterGatherer:
     ) -> None:
         self.comm = comm
         self.pool = pool  # the units' own pool: holds are exempt from its high-water mark
-        self.prefetch_elements = prefetch_elements
-        self.max_live_elements = max_live_elements
-        self.max_reuse_distance = max_reuse_distance
+        self.schedule = PrefetchSchedule(  # see [Note: prefetch schedule]
+            prefetch_elements=prefetch_elements,
+            max_live_elements=max_live_elements,
+            max_reuse_distance=max_reuse_distance,
+        )
         self._units_of: dict[int, list[FlatUnit]] = {}
         self._modules: dict[int, nn.Module] = {}
         self._units_cache: list[FlatUnit] | None = None
@@ -94,9 +98,6 @@ class ParameterGatherer:
             self._units_of[id(module)] = list(units)
             self._modules[id(module)] = module
         self._users: Counter[int] = Counter()  # running forwards that use each unit
-        self._order: list[FlatUnit] = []  # gathers of this step, in order
-        self._schedule: list[FlatUnit] = []  # the previous step's order, for prefetching
-        self._cursor = 0
         self._handles: list[RemovableHandle] = []
         # Units released in this backward because their gradients are complete. Ranks may reach that
         # point at different moments (it follows local gradient readiness), so such a unit is never
@@ -205,7 +206,7 @@ class ParameterGatherer:
             units = self._units_of[key]
             for unit in units:
                 self._users[unit.index] -= 1
-                if self._users[unit.index] == 0 and not self._reused_soon(unit):
+                if self._users[unit.index] == 0 and not self.schedule.reused_soon(unit):
                     unit.release()
             if torch.is_grad_enabled():
                 fired = [False]
@@ -230,14 +231,14 @@ class ParameterGatherer:
         # The order records each unit where it is needed, whether a prefetch already brought it or not.
         needed = [u for u in units if u in missing or u.index in self._prefetched]
         self._prefetched.difference_update(u.index for u in needed)
-        self._order.extend(needed)
-        if needed:
-            self._advance_cursor(needed[-1])
+        self.schedule.record(needed)
         # One check for the units needed now and the ones prefetched with them.
-        ahead = self._prefetch_candidates(missing)
+        live = sum(u.layout.padded for u in self._all_units() if u.gathered or u in missing)
+        ahead = self.schedule.candidates(missing, live, self._done)
         self._prefetched.update(u.index for u in ahead)
         self._start_many(missing + ahead)
-        self._read_ahead()
+        if self._reads_ahead:
+            self.schedule.read_ahead()
         self._checks.verify(u.index for u in units)
         for unit in units:
             unit.finish_gather()
@@ -258,62 +259,6 @@ class ParameterGatherer:
             if unit.index == index:
                 return f"unit {index} ({', '.join(unit.names)})"
         return f"unit {index}"
-
-    def _advance_cursor(self, current: FlatUnit) -> None:
-        """Follow last step's order: move past the next place where ``current`` was requested."""
-        for pos in range(self._cursor, len(self._schedule)):
-            if self._schedule[pos] is current:
-                self._cursor = pos + 1
-                return
-
-    def _prefetch_candidates(self, now: list[FlatUnit]) -> list[FlatUnit]:
-        """Units that followed in last step's order, within the prefetch and live-parameter budgets."""
-        if not self._schedule or self.prefetch_elements <= 0:
-            return []
-        budget = self.prefetch_elements
-        live = sum(u.layout.padded for u in self._all_units() if u.gathered or u in now)
-        out: list[FlatUnit] = []
-        for unit in self._schedule[self._cursor :]:
-            if budget <= 0:
-                break
-            if not unit.gathered and unit.index not in self._done and unit not in now and unit not in out:
-                if live + unit.layout.padded > self.max_live_elements:
-                    break  # stage3_max_live_parameters
-                out.append(unit)
-                live += unit.layout.padded
-            budget -= unit.layout.padded
-        return out
-
-    def _read_ahead(self) -> None:
-        """Start reading NVMe-offloaded shards of the units that follow in last step's order, twice the
-        prefetch budget ahead, so a gather finds its shard in memory (no-op for shards in memory)."""
-        if not self._reads_ahead:
-            return
-        budget = 2 * self.prefetch_elements
-        for unit in self._schedule[self._cursor :]:
-            if budget <= 0:
-                break
-            unit.prefetch_shard()
-            budget -= unit.layout.padded
-
-    def _reused_soon(self, unit: FlatUnit) -> bool:
-        """Whether last step's order uses ``unit`` again soon enough to keep it gathered.
-
-        Soon enough is within ``max_reuse_distance`` elements, counting the unit's own elements plus
-        everything gathered before its next use (so 0 never keeps a unit for that reason, and DeepSpeed's
-        default, 1e9, keeps every unit of a smaller model gathered from its forward to its backward); or
-        within the prefetch window, where the next gather would only fetch the same bytes again (the last
-        modules of the forward, which the backward needs first).
-        """
-        distance = unit.layout.padded
-        limit = max(self.max_reuse_distance, self.prefetch_elements)
-        for upcoming in self._schedule[self._cursor :]:
-            if distance > limit:
-                return False
-            if upcoming is unit:
-                return True
-            distance += upcoming.layout.padded
-        return False
 
     @contextlib.contextmanager
     def hold_all(self) -> Iterator[None]:
@@ -375,10 +320,7 @@ class ParameterGatherer:
 
     def end_step(self) -> None:
         self._prefetched.clear()
-        if self._order:
-            self._schedule = self._order
-        self._order = []
-        self._cursor = 0
+        self.schedule.end_step()
 
     def _all_units(self) -> list[FlatUnit]:
         """Every unit any hooked module gathers (cached: called on every gather)."""
