@@ -13,11 +13,14 @@ For each unit (see ``layout.py`` [Note: flat layout]) this rank keeps:
 At stage 0 the shard world is 1: a rank's "shard" is the whole unit, which is how stage 0 steps everything
 without a code path of its own.
 
-[Note: offloaded master]
-With the optimizer offloaded to NVMe (``offload/swapper.py``) a separate master lives in a file between
-steps: ``master`` is then an empty placeholder, and at stage 3 ``param_shard`` (this rank's shard in the
-compute dtype) is what gathers read. The parameters are the truth a stale master is re-derived from:
-``copy_full_to_master`` only marks it (``master_stale``) and the swapper refreshes it when it next reads it.
+[Note: shard stores]
+A unit does not know where its shards live. It holds a :class:`ShardStore` and goes through it for the
+four things that depend on it: this rank's parameter shard (what a stage-3 gather reads, and when that
+read is done), stepped master values to write into the parameters, parameter values changed by hand to
+take into the master, and the tensors the optimizer steps. :class:`InMemoryShards`, the default, keeps
+them in the unit's own buffers: the master, or this rank's slice of the full buffer. The offload stores
+(``zeroshard/offload/unit_store.py``) keep the master in an NVMe file between steps and, with
+``offload_param``, the parameter shard as well; the offload set-up hands one to a unit as it is built.
 With ``master_device`` (CPU offload beside a GPU) the master lives in CPU memory and the step runs there.
 """
 
@@ -37,28 +40,88 @@ from zeroshard.core.precision import DtypePolicy
 from zeroshard.core.stages import StagePlan
 
 
-class ShardHome(Protocol):
-    """Where a unit's parameter shard lives between uses when it is not in memory (``offload_param`` nvme).
+class ShardStore(Protocol):
+    """One unit's shards between uses. Every method takes the unit it belongs to."""
 
-    The unit holds one and calls it; it never knows what kind of store it is (``offload.param_swap`` has the
-    NVMe one). Implementations must return from :meth:`load` exactly what :meth:`store_range` last wrote.
-    """
+    @property
+    def prefetches(self) -> bool:
+        """Whether :meth:`prefetch` starts anything (the gatherer reads ahead only for such stores)."""
+        ...
 
-    def load(self, unit: FlatUnit) -> torch.Tensor:
-        """This rank's parameter shard of ``unit``, read back (waits for a prefetch in flight)."""
+    def param_shard(self, unit: FlatUnit) -> torch.Tensor:
+        """This rank's shard of the parameters as stored between uses: what a stage-3 gather reads."""
         ...
 
     def prefetch(self, unit: FlatUnit) -> None:
-        """Start reading ``unit``'s shard so that a later :meth:`load` finds it ready."""
+        """Start bringing :meth:`param_shard` into memory ahead of a gather."""
         ...
 
-    def drop(self, unit: FlatUnit) -> None:
-        """Forget a loaded copy of ``unit``'s shard (the stored bytes stay)."""
+    def gathered(self, unit: FlatUnit) -> None:
+        """The gather that read :meth:`param_shard` is done: an in-memory copy read for it may go."""
         ...
 
-    def store_range(self, unit: FlatUnit, start: int, values: torch.Tensor) -> None:
-        """Write ``values`` over ``unit``'s stored shard from element ``start`` on."""
+    def write_stepped(self, unit: FlatUnit, start: int, values: torch.Tensor) -> None:
+        """Stepped master values for shard elements ``start:start + numel``: write them into the
+        parameters as stored (``values`` is cast to their dtype)."""
         ...
+
+    def master_stepped(self, unit: FlatUnit) -> None:
+        """The optimizer stepped the unit's in-memory ``master``: write it into the parameters as stored."""
+        ...
+
+    def take_full(self, unit: FlatUnit, shard: torch.Tensor) -> None:
+        """This rank's slice of the full parameters was changed in place: make it the master's value."""
+        ...
+
+    def master_piece(self, unit: FlatUnit, start: int, numel: int) -> torch.Tensor:
+        """The tensor the optimizer steps for master elements ``start:start + numel``."""
+        ...
+
+    def held_param_shard(self) -> torch.Tensor | None:
+        """A parameter shard the store keeps in memory besides the unit's buffers, if any (for the memory
+        accounting)."""
+        ...
+
+
+class InMemoryShards:
+    """The default store: the master and the parameters live in the unit's own buffers."""
+
+    prefetches = False
+
+    def param_shard(self, unit: FlatUnit) -> torch.Tensor:
+        return unit.master if unit.plan.shard_parameters else unit.own_full_shard()
+
+    def prefetch(self, unit: FlatUnit) -> None:
+        return None
+
+    def gathered(self, unit: FlatUnit) -> None:
+        return None
+
+    def write_stepped(self, unit: FlatUnit, start: int, values: torch.Tensor) -> None:
+        self.param_shard(unit)[start : start + values.numel()].copy_(values)
+
+    def master_stepped(self, unit: FlatUnit) -> None:
+        copy_master_into_full(unit)
+
+    def take_full(self, unit: FlatUnit, shard: torch.Tensor) -> None:
+        if shard.data_ptr() != unit.master.data_ptr():
+            unit.master.copy_(shard)
+
+    def master_piece(self, unit: FlatUnit, start: int, numel: int) -> torch.Tensor:
+        return unit.master[start : start + numel]
+
+    def held_param_shard(self) -> torch.Tensor | None:
+        return None
+
+
+def copy_master_into_full(unit: FlatUnit) -> None:
+    """Write ``unit``'s in-memory master into this rank's slice of its full buffer (a cast, if the dtypes
+    differ). Nothing at stage 3, where the next gather reads the master itself."""
+    if unit.plan.shard_parameters:
+        return
+    shard = unit.own_full_shard()
+    if shard.data_ptr() != unit.master.data_ptr():
+        shard.copy_(unit.master, non_blocking=unit.host_to_device)  # see start_gather
 
 
 @dataclass(frozen=True)
@@ -122,10 +185,7 @@ class FlatUnit:
         self.master = master if master is not None else self.full[lo:hi]
         self.shapes = [p.shape for p in self.params]
         self.separate_master = separate_master
-        self.master_offloaded = False
-        self.master_stale = False
-        self._param_shard: torch.Tensor | None = None
-        self.param_home: ShardHome | None = None  # offload_param nvme: where param_shard lives
+        self.store: ShardStore = InMemoryShards()  # where the shards live between uses: [Note: shard stores]
         self._gathering: Pending | None = None
         self.pool: BufferPool | None = None  # the initial full buffer is not the pool's
         if plan.shard_parameters:
@@ -163,20 +223,13 @@ class FlatUnit:
         return offset, offset + self.layout.numels[i]
 
     def optimizer_slices(self) -> list[OptimizerSlice]:
-        """This rank's pieces of each parameter, as 1-D views of ``master`` and ``grad_shard``.
-
-        With the master offloaded each slice's master is a placeholder of its own, which the swapper points
-        at real storage (``.data``) while the slice is resident.
-        """
+        """This rank's pieces of each parameter: the store's master tensors (1-D views of ``master`` when it
+        is in memory) and 1-D views of ``grad_shard``."""
         return [
             OptimizerSlice(
                 unit=self,
                 piece=piece,
-                master=(
-                    torch.empty(0, dtype=self.master.dtype)
-                    if self.master_offloaded
-                    else self.master[piece.shard_start : piece.shard_start + piece.numel]
-                ),
+                master=self.store.master_piece(self, piece.shard_start, piece.numel),
                 grad=self.grad_shard[piece.shard_start : piece.shard_start + piece.numel],
             )
             for piece in self.layout.pieces(self.rank)
@@ -198,7 +251,7 @@ class FlatUnit:
         source = self.param_shard
         # From pinned CPU memory (ZeRO-Offload masters) the cast runs on the GPU after an async DMA; the
         # optimizer step waits for the stream before it writes the masters again (ShardedStep._step_grads).
-        shard = source.to(device=self.device, dtype=self.policy.compute, non_blocking=self._host_to_device)
+        shard = source.to(device=self.device, dtype=self.policy.compute, non_blocking=self.host_to_device)
         self._gathering = comm.all_gather(
             self.full, shard, what=f"parameter all_gather of unit {self.index} ({self.names[0]}, ...)"
         )
@@ -209,8 +262,7 @@ class FlatUnit:
             return
         pending, self._gathering = self._gathering, None
         pending.wait()
-        if self.param_home is not None:
-            self.param_home.drop(self)
+        self.store.gathered(self)
         for param, offset, shape in zip(self.params, self.layout.offsets, self.shapes, strict=True):
             param.data = self.full[offset : offset + shape.numel()].view(shape)
 
@@ -242,73 +294,43 @@ class FlatUnit:
     @property
     def param_shard(self) -> torch.Tensor:
         """This rank's shard of the parameters as stored between uses: what a stage-3 gather reads."""
-        if self._param_shard is not None:
-            return self._param_shard
-        if self.param_home is not None:
-            return self.param_home.load(self)
-        return self.master if self.plan.shard_parameters else self.own_full_shard()
-
-    def drop_param_shard(self) -> None:
-        """Forget the in-memory ``param_shard`` (its home, an NVMe file, keeps it)."""
-        if self.param_home is None:
-            raise RuntimeError(f"rank {self.rank}: unit {self.index}'s parameter shard has no other home")
-        self._param_shard = None
+        return self.store.param_shard(self)
 
     def prefetch_shard(self) -> None:
-        """Start reading ``param_shard`` from its NVMe home ahead of a gather (no-op in memory)."""
-        if self.param_home is not None and not self.gathered and self._gathering is None:
-            self.param_home.prefetch(self)
+        """Start bringing ``param_shard`` into memory ahead of a gather (no-op where it always is)."""
+        if not self.gathered and self._gathering is None:
+            self.store.prefetch(self)
 
-    def offload_master(self) -> torch.Tensor:
-        """Hand the master to the offload store: return it and keep an empty placeholder in its place.
-
-        At stage 3 a compute-dtype copy of the shard stays (``param_shard``) for gathers to read.
-        """
-        if not self.separate_master or self.master_offloaded:
-            raise RuntimeError(f"rank {self.rank}: unit {self.index} has no separate master to offload")
+    def move_master(self, store: ShardStore) -> torch.Tensor:
+        """Hand the separate master over to ``store``, which keeps it from now on (an offload store): return
+        it and leave an empty placeholder in ``master``."""
+        if not self.separate_master or not isinstance(self.store, InMemoryShards):
+            raise RuntimeError(
+                f"rank {self.rank}: unit {self.index} has no in-memory separate master to move"
+            )
         master = self.master
-        if self.plan.shard_parameters:
-            same = master.dtype == self.policy.compute and master.device == self.device
-            self._param_shard = master if same else master.to(self.device, self.policy.compute)
         self.master = torch.empty(0, dtype=master.dtype, device=master.device)
-        self.master_offloaded = True
+        self.store = store
         return master
 
     def take_stepped_master(self, start: int, master: torch.Tensor) -> None:
         """Write stepped master values (shard elements ``start:start + numel``) into the parameters."""
-        if self.param_home is not None:
-            self.param_home.store_range(self, start, master)
-        elif self.plan.shard_parameters:
-            self.param_shard[start : start + master.numel()].copy_(master)
-        else:
-            self.own_full_shard()[start : start + master.numel()].copy_(master)
+        self.store.write_stepped(self, start, master)
 
     def copy_master_to_full(self) -> None:
-        """Write the stepped master shard into this rank's slice of ``full`` (a cast, if dtypes differ)."""
-        if self.plan.shard_parameters or not self.master.numel():
-            return  # the next gather reads the master, or it is offloaded (the swapper wrote each sub-group)
-        shard = self.own_full_shard()
-        if shard.data_ptr() != self.master.data_ptr():
-            shard.copy_(self.master, non_blocking=self._host_to_device)  # see start_gather
+        """The optimizer stepped the master: bring the parameters up to date (see ``ShardStore``)."""
+        self.store.master_stepped(self)
 
     @property
-    def _host_to_device(self) -> bool:
+    def host_to_device(self) -> bool:
         """Whether the master lives in CPU memory beside a GPU (pinned: copies to the GPU may be async)."""
         return self.device.type == "cuda" and self.master.device.type == "cpu"
 
     def copy_full_to_master(self) -> None:
         """Take this rank's slice of ``full`` (modified in place, e.g. by load_state_dict) into the master."""
         shard = self.own_full_shard()
-        if not shard.numel():
-            return
-        if self.master_offloaded:
-            if self.param_home is not None:
-                self.param_home.store_range(self, 0, shard)
-            elif self._param_shard is not None:
-                self._param_shard.copy_(shard)
-            self.master_stale = True  # see [Note: offloaded master]
-        elif shard.data_ptr() != self.master.data_ptr():
-            self.master.copy_(shard)
+        if shard.numel():
+            self.store.take_full(self, shard)
 
     @property
     def keeps_full_grad(self) -> bool:
@@ -341,8 +363,9 @@ class FlatUnit:
         params = self.full.numel() * self.full.element_size()
         grads = self.kept_grad() if self.keeps_full_grad else self.grad_shard
         master = 0 if not self.separate_master else (self.master.numel() * self.master.element_size())
-        if self._param_shard is not None:
-            params += self._param_shard.numel() * self._param_shard.element_size()
+        held = self.store.held_param_shard()
+        if held is not None:
+            params += held.numel() * held.element_size()
         elif self.plan.shard_parameters and self.policy.master_is_compute:
             # fp32 stage 3: the master shard is the parameter shard itself.
             params, master = params + master, 0

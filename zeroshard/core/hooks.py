@@ -116,8 +116,8 @@ class ParameterGatherer:
         self.peak_gathered_bytes = 0
         self._checks = GatherChecks(comm, self._describe)  # see [Note: gather check]
         self.saved_views = SavedViews(self.gather, comm.rank)  # see [Note: saved views]
-        # Whether any unit's shard lives on NVMe (decided when the units were built, before this).
-        self._reads_ahead = any(u.param_home is not None for _, us in module_units for u in us)
+        # Whether any unit's shard is read from elsewhere (decided when the units were built, before this).
+        self._reads_ahead = any(u.store.prefetches for _, us in module_units for u in us)
 
     @property
     def discovering(self) -> bool:

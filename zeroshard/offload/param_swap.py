@@ -2,7 +2,7 @@
 
 [Note: parameter shards on NVMe]
 At stage 3 with the optimizer offloaded to NVMe, a unit's gathers read ``FlatUnit.param_shard``, this
-rank's shard in the compute dtype (flat_param [Note: offloaded master]). With ``offload_param.device:
+rank's shard in the compute dtype (unit_store.py [Note: offloaded master]). With ``offload_param.device:
 nvme`` that shard lives in a file as well, one region per optimizer sub-group, so that a stepped sub-group
 is written straight from the step without reading the rest of the unit. A gather reads the shard (or
 finds it already read: the gatherer reads ahead along the previous step's order, see
@@ -24,6 +24,7 @@ import torch
 from zeroshard.core.flat_param import FlatUnit
 from zeroshard.offload.nvme import NvmeStore
 from zeroshard.offload.swapper import SubGroup
+from zeroshard.offload.unit_store import OffloadedMaster
 
 _Region = tuple[str, int, int]  # key, shard start, numel
 
@@ -42,14 +43,14 @@ class ParamShardStore:
         self._writing: dict[str, tuple[Future[None], torch.Tensor]] = {}
         self.io_wait_s = 0.0  # time gathers spent waiting for reads (not hidden by the read-ahead)
 
-    def adopt(self, unit: FlatUnit, groups: Sequence[SubGroup]) -> None:
-        """Write ``unit``'s parameter shard to the store and drop it from memory."""
+    def adopt(self, unit: FlatUnit, groups: Sequence[SubGroup], keeper: OffloadedMaster) -> None:
+        """Write ``unit``'s parameter shard to the store and have ``keeper`` (the unit's store) drop it from
+        memory."""
         shard = unit.param_shard
         self._regions[unit.index] = [(f"p{g.index}", g.start, g.numel) for g in groups]
         self._dtype[unit.index] = shard.dtype
         self.store.write_ranges(shard, self._regions[unit.index])
-        unit.param_home = self
-        unit.drop_param_shard()
+        keeper.move_home(self)
 
     def offloaded_bytes(self) -> int:
         """Bytes of parameter shards kept in the store."""

@@ -61,7 +61,7 @@ class Offload:
             return
         groups = self.optimizer_swapper.adopt(unit)
         if self.param_store is not None and unit.plan.shard_parameters:
-            self.param_store.adopt(unit, groups)
+            self.param_store.adopt(unit, groups, self.optimizer_swapper.stores[unit.index])
         release_free_memory()
 
     def offloaded_bytes(self) -> int:

@@ -3,7 +3,7 @@
 [Note: sub-group stepping]
 This rank's shard of each unit is cut into sub-groups of at most ``sub_group_size`` elements at parameter
 piece boundaries (a piece larger than that is a sub-group of its own; a sub-group never spans two units).
-Between steps a sub-group's separate master (see flat_param [Note: offloaded master]) and every optimizer
+Between steps a sub-group's separate master (see unit_store.py [Note: offloaded master]) and every optimizer
 state tensor with one value per element (Adam's ``exp_avg`` and ``exp_avg_sq``, SGD's momentum, ...) live
 only in the store; scalar state (``step``) stays in memory. One optimizer step is, per sub-group k::
 
@@ -33,6 +33,7 @@ from zeroshard.core.flat_param import FlatUnit, OptimizerSlice
 from zeroshard.core.layout import Piece
 from zeroshard.offload.malloc import keep_large_blocks_mapped, release_free_memory
 from zeroshard.offload.nvme import NvmeStore
+from zeroshard.offload.unit_store import OffloadedMaster
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +114,7 @@ class OptimizerStateSwapper:
         self.groups: list[SubGroup] = []
         self.optimizer: torch.optim.Optimizer | None = None
         self._placeholders: dict[torch.dtype, torch.Tensor] = {}
+        self.stores: dict[int, OffloadedMaster] = {}  # by unit index: the units whose master is here
         # Writes in flight, one list per sub-group, each with the buffer it reads from (kept alive here).
         self._writes: list[list[tuple[Future[None], torch.Tensor]]] = []
         self.io_wait_s = 0.0  # time the step spent waiting for the store (not hidden behind compute)
@@ -124,7 +126,9 @@ class OptimizerStateSwapper:
         self.groups.extend(groups)
         if not unit.separate_master:
             return groups  # fp32 stages 0-2: the master is the parameters' own shard and stays with them
-        master = unit.offload_master()
+        store = OffloadedMaster(unit, unit.master)
+        master = unit.move_master(store)
+        self.stores[unit.index] = store
         self.store.write_ranges(master, [(g.key("master"), g.start, g.numel) for g in groups])
         return groups
 
@@ -150,7 +154,7 @@ class OptimizerStateSwapper:
         work = [
             g
             for g in self.groups
-            if g.unit.master_stale or any(grads.get(id(sl.master)) is not None for sl in g.slices)
+            if self._stale(g.unit) or any(grads.get(id(sl.master)) is not None for sl in g.slices)
         ]
         ahead = [self._swap_in(work[0])] if work else []
         for k, g in enumerate(work):
@@ -173,7 +177,7 @@ class OptimizerStateSwapper:
             self._swap_out(g, current)  # write k while k+1 steps
         self._drain()
         for g in work:  # every stale unit's sub-groups were in the work list
-            g.unit.master_stale = False
+            self._refreshed(g.unit)
         release_free_memory()
 
     @contextlib.contextmanager
@@ -205,7 +209,16 @@ class OptimizerStateSwapper:
                     self._unbind(g)
             self._drain()
             for unit in units.values():
-                unit.master_stale = False
+                self._refreshed(unit)
+
+    def _stale(self, unit: FlatUnit) -> bool:
+        store = self.stores.get(unit.index)
+        return store is not None and store.stale
+
+    def _refreshed(self, unit: FlatUnit) -> None:
+        store = self.stores.get(unit.index)
+        if store is not None:
+            store.stale = False
 
     def offloaded_bytes(self) -> int:
         """Bytes of masters and optimizer state this rank keeps in the store between steps."""
@@ -243,7 +256,7 @@ class OptimizerStateSwapper:
         res.reads = []
         opt = self._require_optimizer()
         unit = g.unit
-        if res.master is not None and unit.master_stale:
+        if res.master is not None and self._stale(unit):
             source = unit.param_shard[g.start : g.start + g.numel]
             res.master.copy_(source)  # the parameters were changed by hand: see [Note: offloaded master]
         for i, sl in enumerate(g.slices):
