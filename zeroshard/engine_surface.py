@@ -95,7 +95,7 @@ class DeepSpeedSurface(nn.Module):
                 ) from None
 
     # -- torch.compile ---------------------------------------------------------------------------------
-    def compile(  # type: ignore[override]
+    def compile(
         self,
         backend: str | Callable[..., Any] = "inductor",
         compile_kwargs: dict[str, Any] | None = None,
@@ -207,7 +207,7 @@ class DeepSpeedSurface(nn.Module):
         from zeroshard.checkpoint.export import live_state
 
         names = module_names(self.module, self.units)
-        specs, tensors = live_state(self, exclude_frozen_parameters=exclude_frozen_parameters)  # type: ignore[arg-type]
+        specs, tensors = live_state(self, exclude_frozen_parameters=exclude_frozen_parameters)
         gathered: dict[str, torch.Tensor] = {}
         for spec, tensor in zip(specs, tensors, strict=True):  # every rank takes part in each gather
             if self.comm.rank == 0:

@@ -99,7 +99,7 @@ def load_deepspeed_file(path: str) -> Any:
 
 
 # -- writing: the stand-ins under DeepSpeed's class names -------------------------------------------
-class _Pickler(pickle._Pickler):  # type: ignore[name-defined,misc]  # the pure-Python pickler
+class _Pickler(pickle._Pickler):  # the pure-Python pickler
     """Pickles :class:`DeepSpeedObject` stand-ins under DeepSpeed's class names (nothing is imported)."""
 
     def save_global(self, obj: Any, name: str | None = None) -> None:

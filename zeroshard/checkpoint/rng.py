@@ -22,7 +22,7 @@ def get_rng_state() -> dict[str, Any]:
         import numpy as np
     except ImportError:
         return state
-    kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)  # type: ignore[misc]
+    kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
     state["numpy"] = [
         str(kind),
         torch.from_numpy(np.asarray(keys, dtype=np.int64)),

@@ -108,7 +108,7 @@ class ParameterGatherer:
         # recomputation (activation checkpointing), whose units backward needs next; see [Note: recompute].
         self._in_backward = False
         self._running: list[int] = []  # keys of the hooked modules whose forward is running, innermost last
-        self._access: list[ParameterAccess] = []
+        self._access: list[contextlib.ExitStack] = []  # one per running model forward, each a ParameterAccess
         self._param_units: dict[int, FlatUnit] | None = None
         self._discovering = True  # watch torch calls for external parameters ([Note: external parameters])
         self._adopted_now = False
@@ -149,14 +149,14 @@ class ParameterGatherer:
             self._in_backward = False
         self.saved_views.enter()
         if self._discovering:  # [Note: external parameters]
-            access = ParameterAccess(self._unit_of_param(), self._adopt)
-            access.__enter__()
+            access = contextlib.ExitStack()
+            access.enter_context(ParameterAccess(self._unit_of_param(), self._adopt))
             self._access.append(access)
             self._adopted_now = False
 
     def _exit_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         if self._access:
-            self._access.pop().__exit__(None, None, None)
+            self._access.pop().close()
             if not self._adopted_now and not self._access:
                 # A whole training forward needed nothing more (or two evaluation forwards did: an engine
                 # that only evaluates, e.g. a frozen teacher, stops watching too).
@@ -333,7 +333,8 @@ def _eager(hook: Callable[..., Any]) -> Callable[..., Any]:
     """``hook`` run eagerly under ``torch.compile``: the compiler stops at the hook (one graph break each),
     runs it as Python (collectives, ``param.data`` swaps) and compiles the module's own code around it.
     Traced instead, the gathers would break the graph at every collective and every buffer check."""
-    return torch.compiler.disable(hook, recursive=True)
+    disabled: Callable[..., Any] = torch.compiler.disable(hook, recursive=True)
+    return disabled
 
 
 def unique_units(units: Iterable[FlatUnit]) -> list[FlatUnit]:

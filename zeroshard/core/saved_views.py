@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -92,7 +92,7 @@ class SavedViews:
 
     def _unpack(self, packed: Any) -> torch.Tensor:
         if not isinstance(packed, _SavedView):
-            return packed
+            return cast(torch.Tensor, packed)  # _pack returned the tensor itself
         unit = packed.unit
         if not unit.gathered:
             self._gather([unit])

@@ -107,7 +107,7 @@ def get_local_rank() -> int:
 
 
 def get_global_rank(group: ProcessGroup | None = None, group_rank: int = 0) -> int:
-    return dist.get_global_rank(group, group_rank) if group is not None else group_rank  # type: ignore[arg-type]
+    return dist.get_global_rank(group, group_rank) if group is not None else group_rank
 
 
 def get_world_group() -> ProcessGroup:

@@ -31,15 +31,15 @@ from typing import Any
 
 import torch
 from lightning.fabric.plugins import ClusterEnvironment
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.strategies.deepspeed import _validate_device_index_selection
+from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.accelerators import Accelerator, CPUAccelerator, CUDAAccelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, StrategyRegistry
 from lightning.pytorch.strategies.deepspeed import remove_module_hooks
+from torch.distributed.constants import default_pg_timeout
 from torch.nn import Module
 from torch.optim import Optimizer
 

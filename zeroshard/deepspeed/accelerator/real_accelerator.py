@@ -153,7 +153,7 @@ class CUDA_Accelerator(DeepSpeedAccelerator):
         return torch.cuda.is_available()
 
     def is_bf16_supported(self) -> bool:
-        return torch.cuda.is_bf16_supported()
+        return bool(torch.cuda.is_bf16_supported())
 
     def is_fp16_supported(self) -> bool:
         return torch.cuda.is_available()

@@ -17,6 +17,8 @@ import torch
 from torch import nn
 
 from zeroshard.checkpoint.export import _gather_from_masters, gather_param_from_shards
+from zeroshard.core.comm import Comm
+from zeroshard.core.flat_param import FlatUnit
 from zeroshard.zero import GatheredParameters, owner_of
 
 __all__ = [
@@ -34,7 +36,7 @@ class _CommHolder:
         self.comm = comm
 
 
-def _unit_and_index(param: nn.Parameter, what: str) -> tuple[Any, int, Any]:
+def _unit_and_index(param: nn.Parameter, what: str) -> tuple[FlatUnit, int, Comm]:
     owner = owner_of(param)
     if owner is None:
         raise ValueError(
