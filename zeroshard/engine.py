@@ -30,7 +30,7 @@ from zeroshard.core.grad_sync import GradientReducer
 from zeroshard.core.hooks import ParameterGatherer
 from zeroshard.core.loss_scaler import LossScaleFloorError, LossScaler
 from zeroshard.core.memory import MemoryBreakdown, measure
-from zeroshard.core.optimizer import ShardedStep
+from zeroshard.core.optimizer import ShardedStep, clip_coefficient
 from zeroshard.core.precision import cast_floating
 from zeroshard.core.stages import StagePlan
 from zeroshard.data import ResumableDataLoader
@@ -260,7 +260,7 @@ class ZeroshardEngine(DeepSpeedSurface, CheckpointMethods):
                 self._skip_step()
                 return
             # Unscale and clip in one pass over the gradients.
-            factor = (1.0 / scale) * _clip_coefficient(self._grad_norm, self.config.gradient_clipping)
+            factor = (1.0 / scale) * clip_coefficient(self._grad_norm, self.config.gradient_clipping)
             if factor != 1.0:
                 step.scale_grads(factor)
             step.run(self.optimizer)
@@ -395,11 +395,3 @@ class ZeroshardEngine(DeepSpeedSurface, CheckpointMethods):
     def communication_bytes(self) -> int:
         """Bytes moved by model-state collectives since the engine was built (see comm.py)."""
         return self.comm.stats.total_bytes
-
-
-def _clip_coefficient(grad_norm: float, clip: float) -> float:
-    """The factor ``torch.nn.utils.clip_grad_norm_`` applies: ``clip / norm`` when the norm exceeds ``clip``
-    (``gradient_clipping`` > 0), else 1."""
-    if clip <= 0:
-        return 1.0
-    return min(1.0, clip / (grad_norm + 1e-6))

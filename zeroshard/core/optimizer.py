@@ -308,3 +308,11 @@ class ShardedStep:
             elements += unit.layout.padded
         for pending in inflight:
             pending.wait()
+
+
+def clip_coefficient(grad_norm: float, clip: float) -> float:
+    """The factor ``torch.nn.utils.clip_grad_norm_`` applies: ``clip / norm`` when the norm exceeds ``clip``
+    (``gradient_clipping`` > 0), else 1."""
+    if clip <= 0:
+        return 1.0
+    return min(1.0, clip / (grad_norm + 1e-6))
