@@ -7,7 +7,8 @@ locations always use field names and a key given under both spellings is caught.
 
 [Note: numbers] JSON configs write big integers as floats (`"reduce_bucket_size": 5e8`), which DeepSpeed
 accepts, so integer fields take whole floats. Booleans are not numbers here (`"stage": true` is an error)
-and strings are not numbers (`"stage": "3"` is an error).
+and strings are not numbers (`"stage": "3"` is an error). Integers must fit in 64 bits (|n| <= 2**63 - 1,
+DeepSpeed's own "unbounded" default is `sys.maxsize`): a larger one is a typo, and torch could not hold it.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict
 from pydantic_core import PydanticCustomError
 
 __all__ = [
+    "INT_MAX",
     "Block",
     "Bool",
     "Float",
@@ -36,13 +38,19 @@ __all__ = [
 ]
 
 
+INT_MAX = 2**63 - 1
+"""The largest integer a config may hold (see [Note: numbers])."""
+
+
 def coerce_int(value: Any) -> Any:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise PydanticCustomError("zs_type", "expected an integer")
     if isinstance(value, float):
         if not math.isfinite(value) or not value.is_integer():
             raise PydanticCustomError("zs_value", "expected an integer")
-        return int(value)
+        value = int(value)
+    if abs(value) > INT_MAX:
+        raise PydanticCustomError("zs_value", f"expected an integer between -{INT_MAX} and {INT_MAX}")
     return value
 
 

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from zeroshard.config.base import INT_MAX
 from zeroshard.config.errors import Problems, show
 
 __all__ = ["GAS", "MICRO", "TRAIN", "TRIAD", "BatchSizes", "resolve_batch"]
@@ -41,6 +42,9 @@ def _given_value(key: str, value: Any, problems: Problems) -> int | None:
         return None
     if value < 1:
         problems.add(f"{key}: {int(value)} is not allowed; expected an integer >= 1")
+        return None
+    if value > INT_MAX:
+        problems.add(f"{key}: {show(value)} is not allowed; expected an integer from 1 to {INT_MAX}")
         return None
     return int(value)
 
@@ -95,6 +99,11 @@ def resolve_batch(
             problems.add(
                 f"{key}: resolves to {value} ({how}), but it must be at least 1; "
                 f"at world_size {ws} set {key} explicitly or make {TRAIN} larger"
+            )
+            return None
+        if value > INT_MAX:
+            problems.add(
+                f"{key}: resolves to {value} ({how}), which is above {INT_MAX}; make the sizes smaller"
             )
             return None
     final = {TRAIN: t, MICRO: m, GAS: g} | {key: value for key, (value, _) in inferred.items()}

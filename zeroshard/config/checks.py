@@ -22,12 +22,35 @@ does (a default never warns):
 each gradient out of `param.grad` as soon as autograd produces it, which is what `true` asks for, and
 `false` (the default) only delays DeepSpeed's fp32 accumulation within a backward, without changing a
 value.
+
+[Note: one validation]
+`optimizer.params` and `scheduler.params` are keyword arguments of a constructor, so only building the
+optimizer and the schedule checks them fully (keys, kinds, finiteness, the ranges the class itself
+enforces, such as a negative lr). `load_config` therefore builds both with the very functions
+`initialize()` uses (`build_optimizer`, `build_scheduler`) over a one-element stand-in parameter at the
+config's ZeRO stage, and records any `TypeError`/`ValueError` as a config problem. `zeroshard check-config`
+calls `load_config`, so it refuses exactly what `initialize()` refuses, with the same message. The config
+block is checked even when `initialize()` is given a client optimizer or scheduler (which it then uses
+instead): a broken block is a broken config. What the config alone cannot decide is left to
+`initialize()`: a per-param-group list (`warmup_max_lr: [a, b]`) must have one value per group of the
+model's optimizer; the stand-in has as many groups as the first such list has values, so here the values
+are checked and the lists against each other, and `initialize()` checks the length against the model.
 """
 
 from __future__ import annotations
 
+import logging
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
 from zeroshard.config.errors import Problems, show
 from zeroshard.config.schema import ZeroshardConfig
+from zeroshard.lr_schedules import build_scheduler
+from zeroshard.optim_factory import build_optimizer
 
 __all__ = ["check_config"]
 
@@ -149,17 +172,116 @@ def _without_effect(cfg: ZeroshardConfig, notes: list[str]) -> None:
         )
 
 
-def check_config(cfg: ZeroshardConfig, problems: Problems, notes: list[str]) -> None:
-    """Records cross-setting errors in `problems` and warnings about ignored settings in `notes`."""
+_BUILDER_LOGGERS = (
+    "zeroshard.optim_factory",
+    "zeroshard.lr_schedules",
+    "zeroshard.lr_schedules.base",
+    "zeroshard.lr_schedules.cycle",
+    "zeroshard.lr_schedules.warmup",
+)
+
+
+class _DropAll(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return False
+
+
+@contextmanager
+def _quiet_builders() -> Iterator[None]:
+    """Silences the builders' log lines and warnings during the trial build; `initialize()` repeats the
+    build and logs them once, for the real optimizer."""
+    drop = _DropAll()
+    loggers = [logging.getLogger(name) for name in _BUILDER_LOGGERS]
+    for logger in loggers:
+        logger.addFilter(drop)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for logger in loggers:
+            logger.removeFilter(drop)
+
+
+_PER_GROUP_KEYS = (
+    "warmup_min_lr",
+    "warmup_max_lr",
+    "lr_range_test_min_lr",
+    "base_lr",
+    "max_lr",
+    "base_momentum",
+    "max_momentum",
+)
+"""Schedule params that may hold one value per param group (DeepSpeed's and torch's schedules)."""
+
+
+def _group_count(params: dict[str, Any]) -> int:
+    """Param groups of the stand-in optimizer: the length of the first per-group list, else 1."""
+    for key in _PER_GROUP_KEYS:
+        value = params.get(key)
+        if isinstance(value, list | tuple) and 1 <= len(value) <= 64:
+            return len(value)
+    return 1
+
+
+def _optimizer_and_scheduler(cfg: ZeroshardConfig, problems: Problems) -> None:
+    """Builds the config's optimizer and schedule over a stand-in parameter (see [Note: one validation])."""
+    if cfg.optimizer is None and cfg.scheduler is None:
+        return
+    groups: list[dict[str, Any]] = [
+        {"params": [torch.zeros(1)]}
+        for _ in range(_group_count(cfg.scheduler.params if cfg.scheduler else {}))
+    ]
+    optimizer: torch.optim.Optimizer | None = None
+    with _quiet_builders():
+        if cfg.optimizer is not None:
+            stage = cfg.zero_optimization.stage
+            try:
+                optimizer = build_optimizer(cfg.optimizer.type, cfg.optimizer.params, groups, stage=stage)
+            except (TypeError, ValueError) as err:
+                problems.add(str(err), type_error=isinstance(err, TypeError))
+        if cfg.scheduler is not None:
+            # Without a usable optimizer block (the client's optimizer drives the schedule), AdamW stands in.
+            stand_in = optimizer if optimizer is not None else torch.optim.AdamW(groups, lr=1e-3)
+            try:
+                build_scheduler(cfg.scheduler.type, cfg.scheduler.params, stand_in)
+            except (TypeError, ValueError) as err:
+                problems.add(str(err), type_error=isinstance(err, TypeError))
+
+
+def _needs_optimizer(cfg: ZeroshardConfig, problems: Problems) -> None:
+    """Without an optimizer from `initialize()`, what needs the config's `optimizer` block."""
+    if cfg.optimizer is not None:
+        return
+    if cfg.scheduler is not None:
+        problems.add(
+            "scheduler: a 'scheduler' block needs an optimizer: add an 'optimizer' block or pass optimizer= "
+            "to initialize()"
+        )
+    zero = cfg.zero_optimization
+    if zero.offload_optimizer.device == "nvme" and zero.stage >= 1:
+        problems.add(
+            "zero_optimization.offload_optimizer.device: \"nvme\" needs an optimizer: add an 'optimizer' "
+            "block or pass optimizer= to initialize()"
+        )
+
+
+def check_config(
+    cfg: ZeroshardConfig, problems: Problems, notes: list[str], *, optimizer_given: bool = False
+) -> None:
+    """Records cross-setting errors in `problems` and warnings about ignored settings in `notes`.
+
+    Args:
+        cfg: The validated config.
+        problems: Where errors are recorded.
+        notes: Where warnings are recorded.
+        optimizer_given: Whether `initialize()` was given an optimizer (object or callable).
+    """
+    if not optimizer_given:
+        _needs_optimizer(cfg, problems)
     _precision(cfg, problems)
     _offload(cfg, problems, notes)
     _allreduce_op(cfg, problems)
     _data_types(cfg, problems, notes)
     _without_effect(cfg, notes)
-    if cfg.optimizer is not None:
-        max_norm = cfg.optimizer.params.get("max_grad_norm")
-        if isinstance(max_norm, int | float) and max_norm > 0:
-            notes.append(
-                f"optimizer.params.max_grad_norm ({max_norm}) is not used for clipping; set "
-                f"gradient_clipping instead (DeepSpeed warns about this too)"
-            )
+    _optimizer_and_scheduler(cfg, problems)

@@ -22,7 +22,7 @@ from typing import Any
 
 from zeroshard.config.errors import Problems, show
 
-__all__ = ["apply_deprecations"]
+__all__ = ["apply_deprecations", "user_spelling"]
 
 _GATHER_NEW = ("gather_16bit_weights_on_model_save", "stage3_gather_16bit_weights_on_model_save")
 
@@ -62,7 +62,9 @@ def _cpu_offload(zero: dict[str, Any], old: str, new: str, notes: list[str], pro
     return False
 
 
-def _zero(block: Mapping[str, Any], notes: list[str], problems: Problems) -> dict[str, Any]:
+def _zero(
+    block: Mapping[str, Any], notes: list[str], problems: Problems, renamed: dict[str, str]
+) -> dict[str, Any]:
     zero = dict(block)
     # DeepSpeed 0.3/0.4 spelled it cpu_offload_params; DeepSpeed 0.19 rejects that spelling.
     legacy_param = "cpu_offload_params" if "cpu_offload_params" in zero else "cpu_offload_param"
@@ -101,11 +103,14 @@ def _zero(block: Mapping[str, Any], notes: list[str], problems: Problems) -> dic
             )
         else:
             zero[_GATHER_NEW[0]] = value
+            renamed[f"zero_optimization.{_GATHER_NEW[0]}"] = f"zero_optimization.{old}"
             _note(notes, f"zero_optimization.{old}", f"zero_optimization.{_GATHER_NEW[0]}")
     return zero
 
 
-def _aio(block: Mapping[str, Any], notes: list[str], problems: Problems) -> dict[str, Any]:
+def _aio(
+    block: Mapping[str, Any], notes: list[str], problems: Problems, renamed: dict[str, str]
+) -> dict[str, Any]:
     aio = dict(block)
     if "thread_count" not in aio:
         return aio
@@ -117,21 +122,27 @@ def _aio(block: Mapping[str, Any], notes: list[str], problems: Problems) -> dict
         )
         return aio
     aio["intra_op_parallelism"] = value
+    renamed["aio.intra_op_parallelism"] = "aio.thread_count"
     _note(notes, "aio.thread_count", "aio.intra_op_parallelism")
     return aio
 
 
-def apply_deprecations(data: Mapping[str, Any], notes: list[str], problems: Problems) -> dict[str, Any]:
+def apply_deprecations(
+    data: Mapping[str, Any], notes: list[str], problems: Problems, renamed: dict[str, str] | None = None
+) -> dict[str, Any]:
     """Rewrites deprecated keys (see the module table); appends one warning per rewrite to `notes`.
 
     Args:
         data: The top-level config as read from the file.
         notes: Collected warning messages.
         problems: Collected errors.
+        renamed: Filled with the dotted key each rewritten value now has -> the key the user wrote, so
+            that a message about the value names the user's key (see `user_spelling`).
 
     Returns:
         A new top-level dict using only current keys (nested dicts that changed are copies).
     """
+    renamed = {} if renamed is None else renamed
     out = dict(data)
     if "bfloat16" in out:
         legacy = out.pop("bfloat16")
@@ -139,17 +150,28 @@ def apply_deprecations(data: Mapping[str, Any], notes: list[str], problems: Prob
             problems.add("bfloat16: given together with bf16, which replaces it; keep only bf16")
         else:
             out["bf16"] = legacy
+            renamed["bf16"] = "bfloat16"
             _note(notes, "bfloat16", "bf16")
     zero = out.get("zero_optimization")
     if isinstance(zero, bool):
         new: dict[str, Any] = {"stage": 1 if zero else 0}
         if zero and "allgather_size" in out:
             new["allgather_bucket_size"] = out.pop("allgather_size")
+            renamed["zero_optimization.allgather_bucket_size"] = "allgather_size"
         _note(notes, f"zero_optimization: {show(zero)}", f"zero_optimization: {show(new)}")
         out["zero_optimization"] = new
     elif isinstance(zero, Mapping):
-        out["zero_optimization"] = _zero(zero, notes, problems)
+        out["zero_optimization"] = _zero(zero, notes, problems, renamed)
     aio = out.get("aio")
     if isinstance(aio, Mapping):
-        out["aio"] = _aio(aio, notes, problems)
+        out["aio"] = _aio(aio, notes, problems, renamed)
     return out
+
+
+def user_spelling(paths: dict[tuple[str, ...], str], renamed: Mapping[str, str]) -> None:
+    """Rewrites the user paths in `paths` (see `keys.Paths`) that a deprecation renamed back to the key
+    the user wrote, in place."""
+    for loc, path in paths.items():
+        for new, old in renamed.items():
+            if path == new or path.startswith(new + "."):
+                paths[loc] = old + path[len(new) :]
