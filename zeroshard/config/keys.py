@@ -1,4 +1,4 @@
-"""Which keys a config may contain, and what happens to the others.
+"""The user's keys: which a config may contain, how they are spelled, and messages in that spelling.
 
 [Note: unknown keys] Policy, also in docs/config.md:
 - Keys starting with "_" are comments at any depth and are dropped (`"_comment": "..."`).
@@ -8,8 +8,10 @@
   did-you-mean (`train_batch_szie`, `fp_16`); any other unknown top-level key gets one warning and is
   ignored.
 - Inside a known block, any unknown key is an error naming its dotted path, with the closest known
-  key as a suggestion. Blocks whose content DeepSpeed passes on unchecked (optimizer/scheduler params,
-  amp, pipeline, ...) are not checked.
+  key as a suggestion. Blocks whose content DeepSpeed passes on unchecked (amp, pipeline, ...) are not
+  checked; optimizer and scheduler params are checked by their constructors (`checks.py`).
+
+`translate` turns pydantic's validation errors into one plain line per problem, in the user's spelling.
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ import types
 from collections.abc import Mapping
 from typing import Any, Union, get_args, get_origin
 
-from zeroshard.config.base import Block
-from zeroshard.config.errors import Problems
+from pydantic import ValidationError
+
+from zeroshard.config.blocks import Block
+from zeroshard.config.errors import Problems, show
 
 __all__ = [
     "NOT_CONFIG_KEYS",
@@ -31,7 +35,9 @@ __all__ = [
     "nested_block",
     "split_top_level",
     "top_level_keys",
+    "translate",
 ]
+
 
 TOP_LEVEL_CUTOFF = 0.8
 """difflib ratio from which an unknown top-level key counts as a typo (see [Note: unknown keys])."""
@@ -172,3 +178,56 @@ def drop_auto(data: Mapping[str, Any], model: type[Block]) -> dict[str, Any]:
             value = drop_auto(value, block)
         out[name] = value
     return out
+
+
+_TYPE_ERRORS = frozenset(
+    {"zs_type", "model_type", "dict_type", "model_attributes_type", "list_type", "string_type", "bool_type"}
+)
+_RANGES = {
+    "greater_than": ("gt", ">"),
+    "greater_than_equal": ("ge", ">="),
+    "less_than": ("lt", "<"),
+    "less_than_equal": ("le", "<="),
+}
+
+
+def _user_path(loc: tuple[int | str, ...], paths: Paths) -> str:
+    for cut in range(len(loc), 0, -1):
+        head = loc[:cut]
+        if all(isinstance(part, str) for part in head) and head in paths:
+            rest = [str(part) for part in loc[cut:]]
+            return ".".join([paths[head], *rest])  # type: ignore[index]
+    return ".".join(str(part) for part in loc) or "(top level)"
+
+
+def _expected(kind: str, ctx: dict[str, Any], message: str) -> str:
+    if kind == "literal_error":
+        return "expected one of " + str(ctx.get("expected", "")).replace(" or ", ", ")
+    if kind in _RANGES:
+        key, sign = _RANGES[kind]
+        return f"expected a value {sign} {ctx.get(key)}"
+    if kind in ("model_type", "dict_type", "model_attributes_type"):
+        return "expected an object ({...})"
+    if kind == "list_type":
+        return "expected a list"
+    if kind == "string_type":
+        return "expected a string"
+    return message
+
+
+def translate(error: ValidationError, paths: Paths, problems: Problems) -> None:
+    """Records each error of `error` in `problems` as "<dotted.path>: <value> is not allowed; <what is>"."""
+    for item in error.errors(include_url=False):
+        loc = tuple(item["loc"])
+        path = _user_path(loc, paths)
+        kind = item["type"]
+        if kind == "missing":
+            problems.add(f"{path}: required key is missing")
+            continue
+        if kind == "extra_forbidden":
+            problems.add(f"{path}: unknown key")
+            continue
+        expected = _expected(kind, dict(item.get("ctx") or {}), item["msg"])
+        problems.add(
+            f"{path}: {show(item.get('input'))} is not allowed; {expected}", type_error=kind in _TYPE_ERRORS
+        )

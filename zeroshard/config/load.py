@@ -1,14 +1,17 @@
-"""`load_config`: from a ds_config (dict or JSON file) to a resolved, validated `ZeroshardConfig`.
+"""`load_config`: from a ds_config (a dict, a JSON file, or DeepSpeed's base64 JSON) to a resolved, validated
+`ZeroshardConfig`, and where `initialize()` finds the config (its arguments and the command-line flags).
 
-The steps, each in its own module: read the source; rewrite deprecated keys (`deprecated.py`); apply the
-unknown-key policy and rename aliases (`keys.py`); resolve "auto" (`auto.py`); complete the batch triad
-(`batch.py`); validate types and ranges (pydantic, messages from `translate.py`); check rules across
-settings (`checks.py`); warn about features zeroshard does not implement (`outofscope.py`). All problems
-are collected and raised together; all warnings are emitted at the end and kept on the config.
+The steps: read the source with limits (UTF-8, finite numbers, nesting depth, no duplicate keys); rewrite
+deprecated keys (`features.py`); apply the unknown-key policy and rename aliases (`keys.py`); resolve
+"auto" and complete the batch triad (`resolve.py`); validate types and ranges (pydantic, messages from
+`keys.py`); check rules across settings and build the optimizer and scheduler over a stand-in
+(`checks.py`); warn about features zeroshard does not implement. All problems are collected and raised
+together; all warnings are emitted at the end and kept on the config.
 """
 
 from __future__ import annotations
 
+import argparse
 import base64
 import binascii
 import json
@@ -22,18 +25,106 @@ from typing import Any
 import torch
 from pydantic import ValidationError
 
-from zeroshard.config.auto import AutoContext, resolve_auto
-from zeroshard.config.batch import GAS, MICRO, TRAIN, BatchSizes, resolve_batch
-from zeroshard.config.checks import check_config
-from zeroshard.config.cli import ConfigSource
-from zeroshard.config.deprecated import apply_deprecations, user_spelling
+from zeroshard.config.checks import check_config, out_of_scope_warnings
 from zeroshard.config.errors import ConfigError, ConfigTypeError, ConfigWarning, Problems
-from zeroshard.config.keys import Paths, canonicalize, drop_auto, split_top_level
-from zeroshard.config.outofscope import out_of_scope_warnings
+from zeroshard.config.features import apply_deprecations, user_spelling
+from zeroshard.config.keys import Paths, canonicalize, drop_auto, split_top_level, translate
+from zeroshard.config.resolve import GAS, MICRO, TRAIN, AutoContext, BatchSizes, resolve_auto, resolve_batch
 from zeroshard.config.schema import ZeroshardConfig
-from zeroshard.config.translate import translate
 
-__all__ = ["MAX_DEPTH", "load_config", "read_source"]
+__all__ = [
+    "MAX_DEPTH",
+    "ConfigSource",
+    "add_config_arguments",
+    "load_config",
+    "read_source",
+    "resolve_config_source",
+]
+
+
+ConfigSource = dict[str, Any] | str | os.PathLike[str]
+"""A ds_config as a dict, or the path of its JSON file."""
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Adds zeroshard's flags to `parser`, like `deepspeed.add_config_arguments`.
+
+    Adds an argument group "zeroshard" with `--deepspeed` and `--zeroshard` (flags for the user's own
+    script; zeroshard does not read them) and `--deepspeed_config` / `--zeroshard_config` (one option
+    under two names, stored as `args.deepspeed_config`).
+
+    Args:
+        parser: The parser to extend.
+
+    Returns:
+        The same parser, for chaining.
+    """
+    group = parser.add_argument_group("zeroshard", "zeroshard (DeepSpeed-compatible) configuration")
+    group.add_argument(
+        "--deepspeed", default=False, action="store_true", help="enable zeroshard (a flag for your script)"
+    )
+    group.add_argument(
+        "--zeroshard", default=False, action="store_true", help="enable zeroshard (a flag for your script)"
+    )
+    group.add_argument(
+        "--deepspeed_config",
+        "--zeroshard_config",
+        dest="deepspeed_config",
+        default=None,
+        type=str,
+        help="path of the DeepSpeed ds_config JSON file",
+    )
+    return parser
+
+
+def _same(a: object, b: object) -> bool:
+    if a is b:
+        return True
+    # Two spellings of one path are the same source; two dicts are only the same object.
+    if isinstance(a, str | os.PathLike) and isinstance(b, str | os.PathLike):
+        return os.path.abspath(os.fspath(a)) == os.path.abspath(os.fspath(b))
+    return False
+
+
+def resolve_config_source(config: Any, config_params: Any, args: Any) -> ConfigSource:
+    """Picks the one config among the ways `initialize()` accepts it.
+
+    DeepSpeed's `initialize` takes `config=`, the older `config_params=`, and `args.deepspeed_config`
+    (zeroshard also reads `args.zeroshard_config` and DeepSpeed's deprecated `args.deepscale_config`).
+    Unlike DeepSpeed, which quietly prefers `config` over `config_params`, giving two different sources
+    is an error: it is unclear which one the user meant.
+
+    Args:
+        config: `initialize(config=...)`, or None.
+        config_params: `initialize(config_params=...)`, or None.
+        args: The argparse namespace given to `initialize(args=...)`, or None.
+
+    Returns:
+        The single source given (a dict or a path); `load_config` reads it.
+
+    Raises:
+        ValueError: When none is given, or when two different ones are.
+    """
+    given: list[tuple[str, Any]] = []
+    for name, value in (("config", config), ("config_params", config_params)):
+        if value is not None:
+            given.append((name, value))
+    for attr in ("deepspeed_config", "zeroshard_config", "deepscale_config"):
+        value = getattr(args, attr, None) if args is not None else None
+        if value is not None:
+            given.append((f"args.{attr}", value))
+    if not given:
+        raise ValueError(
+            "no config given: pass config=<dict or path to ds_config.json> to initialize(), "
+            "or --deepspeed_config <path> on the command line (see add_config_arguments)"
+        )
+    first_name, first = given[0]
+    different = [name for name, value in given[1:] if not _same(first, value)]
+    if different:
+        names = ", ".join([first_name, *different])
+        raise ValueError(f"config given more than once ({names}); keep exactly one of them")
+    return first
+
 
 MAX_DEPTH = 32
 """The deepest nesting of objects and lists a config may have (DeepSpeed's own configs reach 4)."""

@@ -14,22 +14,33 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, Field
 
-from zeroshard.config.base import Block, Bool, Float, Int, OptInt, coerce_int
-from zeroshard.config.schema_blocks import (
+from zeroshard.config.blocks import (
     ActivationCheckpointingConfig,
     AioConfig,
+    BF16Config,
+    Block,
+    Bool,
     CheckpointConfig,
     CometConfig,
     CommsLoggerConfig,
     CSVConfig,
+    DataTypesConfig,
+    DtypeName,
+    Float,
     FlopsProfilerConfig,
+    FP16Config,
+    Int,
     OptimizerSpec,
+    OptInt,
     SchedulerSpec,
     TensorBoardConfig,
     TimersConfig,
+    TorchAutocastConfig,
     WandbConfig,
+    ZeroConfig,
+    coerce_int,
 )
-from zeroshard.config.schema_features import (
+from zeroshard.config.features import (
     AutotuningConfig,
     CompileConfig,
     EigenvalueConfig,
@@ -40,14 +51,6 @@ from zeroshard.config.schema_features import (
     SparseAttentionConfig,
     TensorParallelConfig,
 )
-from zeroshard.config.schema_precision import (
-    BF16Config,
-    DataTypesConfig,
-    DtypeName,
-    FP16Config,
-    TorchAutocastConfig,
-)
-from zeroshard.config.schema_zero import ZeroConfig
 
 __all__ = ["ZeroshardConfig"]
 
