@@ -179,7 +179,7 @@ def test_gather_16bit_accepts_both_spellings(key: str) -> None:
 
 def test_tensor_parallel_aliases() -> None:
     cfg, _ = load_with_warnings({"tensor_parallel": {"tp": {"tp_size": 1}, "kernel_inject": False}})
-    assert cfg.tensor_parallel.tensor_parallel.tp_size == 1
+    assert cfg.tensor_parallel["tensor_parallel"]["tp_size"] == 1
 
 
 def test_one_setting_under_two_spellings_is_an_error() -> None:

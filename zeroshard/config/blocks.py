@@ -30,7 +30,6 @@ from pydantic_core import PydanticCustomError
 
 __all__ = [
     "INT_MAX",
-    "ActivationCheckpointingConfig",
     "AioConfig",
     "BF16Config",
     "Block",
@@ -44,7 +43,6 @@ __all__ = [
     "DtypeName",
     "FP16Config",
     "Float",
-    "FlopsProfilerConfig",
     "Int",
     "IntOrAuto",
     "LeafModuleConfig",
@@ -62,7 +60,6 @@ __all__ = [
     "TensorBoardConfig",
     "ThroughputTimerConfig",
     "TimersConfig",
-    "TorchAutocastConfig",
     "WandbConfig",
     "ZenFlowConfig",
     "ZeroConfig",
@@ -264,17 +261,6 @@ class DataTypesConfig(Block):
     buffer_dtype: DtypeName = None
     """Dtype buffers are cast to. zeroshard casts floating-point buffers to the compute dtype under
     fp16/bf16 and leaves them in fp32 training; it warns when this asks for another dtype."""
-
-
-class TorchAutocastConfig(Block):
-    """`torch_autocast`: DeepSpeed's torch.autocast integration (no effect in zeroshard)."""
-
-    enabled: Bool = False
-    """Run forward under torch.autocast."""
-    dtype: DtypeName = None
-    """Autocast dtype."""
-    lower_precision_safe_modules: OptStrList = None
-    """Module classes allowed to run in the lower precision."""
 
 
 Stage = Annotated[Literal[0, 1, 2, 3], BeforeValidator(coerce_int)]
@@ -628,42 +614,6 @@ class CommsLoggerConfig(Block):
     """Log every call."""
     debug: Bool = False
     """Include the caller."""
-
-
-class FlopsProfilerConfig(Block):
-    """`flops_profiler` (no effect in zeroshard; typed to validate)."""
-
-    enabled: Bool = False
-    """Profile one step."""
-    recompute_fwd_factor: Float = 0.0
-    """Share of forward recomputed in backward."""
-    profile_step: Int = 1
-    """Step to profile."""
-    module_depth: Int = -1
-    """Depth of the module tree printed."""
-    top_modules: Int = 1
-    """Top modules listed."""
-    detailed: Bool = True
-    """Print the per-module profile."""
-    output_file: OptStr = None
-    """File for the profile; None prints it."""
-
-
-class ActivationCheckpointingConfig(Block):
-    """`activation_checkpointing`: DeepSpeed's checkpointing API settings (no effect in zeroshard)."""
-
-    partition_activations: Bool = False
-    """Shard checkpointed activations across model-parallel ranks."""
-    number_checkpoints: OptInt = None
-    """Checkpoints per forward pass."""
-    contiguous_memory_optimization: Bool = False
-    """Copy checkpoints into a contiguous buffer."""
-    synchronize_checkpoint_boundary: Bool = False
-    """Synchronize at checkpoint boundaries."""
-    profile: Bool = False
-    """Profile checkpointing."""
-    cpu_checkpointing: Bool = False
-    """Keep checkpoints on the CPU."""
 
 
 class ThroughputTimerConfig(Block):

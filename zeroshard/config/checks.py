@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -65,6 +65,7 @@ import torch
 
 from zeroshard.config.blocks import Block
 from zeroshard.config.errors import Problems, show
+from zeroshard.config.features import FEATURE_BLOCKS, NO_EFFECT, OUT_OF_SCOPE, Feature
 from zeroshard.config.schema import ZeroshardConfig
 from zeroshard.lr_schedules import build_scheduler
 from zeroshard.optim_factory import build_optimizer
@@ -132,7 +133,7 @@ def _allreduce_op(cfg: ZeroshardConfig, problems: Problems) -> None:
         )
     if cfg.zero_optimization.zenflow is not None:
         problems.add('gradient_allreduce_op: "sum" is not allowed with zero_optimization.zenflow')
-    if cfg.compile.deepcompile:
+    if cfg.compile.get("deepcompile"):
         problems.add('gradient_allreduce_op: "sum" is not allowed with compile.deepcompile')
 
 
@@ -161,32 +162,9 @@ def _data_types(cfg: ZeroshardConfig, problems: Problems, notes: list[str]) -> N
 
 def _without_effect(cfg: ZeroshardConfig, notes: list[str]) -> None:
     """Warnings for settings zeroshard does not implement (see [Note: settings without effect])."""
-    if cfg.gradient_allreduce_op == "sum":
-        notes.append(
-            'gradient_allreduce_op: "sum" has no effect: zeroshard always averages gradients over the '
-            'data-parallel ranks, as "mean" (the default) does'
-        )
-    if cfg.sparse_gradients:
-        notes.append(
-            "sparse_gradients: true has no effect: zeroshard reduces every gradient as a dense tensor"
-        )
-    fp32_state = (
-        ("fp16.fp16_master_weights_and_grads", cfg.fp16.fp16_master_weights_and_grads),
-        ("bf16.bf16_master_weights_and_grads", cfg.bf16.bf16_master_weights_and_grads),
-        ("bf16.bf16_optimizer_states", cfg.bf16.bf16_optimizer_states),
-    )
-    for key, value in fp32_state:
-        if value:
-            notes.append(
-                f"{key}: true has no effect: zeroshard keeps the master weights, the gradients they are "
-                f"stepped with and the optimizer state in fp32"
-            )
-    if cfg.memory_breakdown:
-        notes.append(
-            "memory_breakdown: true has no effect: zeroshard does not log allocator memory; the "
-            "steps_per_print line and engine.memory_breakdown() report this rank's parameter, gradient, "
-            "optimizer-state and buffer bytes"
-        )
+    for key, value, instead in NO_EFFECT:
+        if _at(cfg, key) == value:
+            notes.append(f"{key}: {show(value)} has no effect: {instead}")
 
 
 _BUILDER_LOGGERS = (
@@ -241,6 +219,11 @@ def _group_count(params: dict[str, Any]) -> int:
     return 1
 
 
+def _has_auto(params: Mapping[str, Any]) -> bool:
+    """Whether "auto" is left in `params`: `resolve_auto` has then recorded why it could not resolve it."""
+    return any(isinstance(value, str) and value == "auto" for value in params.values())
+
+
 def _optimizer_and_scheduler(cfg: ZeroshardConfig, problems: Problems) -> None:
     """Builds the config's optimizer and schedule over a stand-in parameter (see [Note: one validation])."""
     if cfg.optimizer is None and cfg.scheduler is None:
@@ -251,13 +234,13 @@ def _optimizer_and_scheduler(cfg: ZeroshardConfig, problems: Problems) -> None:
     ]
     optimizer: torch.optim.Optimizer | None = None
     with _quiet_builders():
-        if cfg.optimizer is not None:
+        if cfg.optimizer is not None and not _has_auto(cfg.optimizer.params):
             stage = cfg.zero_optimization.stage
             try:
                 optimizer = build_optimizer(cfg.optimizer.type, cfg.optimizer.params, groups, stage=stage)
             except (TypeError, ValueError) as err:
                 problems.add(str(err), type_error=isinstance(err, TypeError))
-        if cfg.scheduler is not None:
+        if cfg.scheduler is not None and not _has_auto(cfg.scheduler.params):
             # Without a usable optimizer block (the client's optimizer drives the schedule), AdamW stands in.
             stand_in = optimizer if optimizer is not None else torch.optim.AdamW(groups, lr=1e-3)
             try:
@@ -304,14 +287,6 @@ def check_config(
     _optimizer_and_scheduler(cfg, problems)
 
 
-_PIPELINE_DEFAULTS = {
-    "stages": "auto",
-    "partition": "best",
-    "seed_layers": False,
-    "activation_checkpoint_interval": 0,
-    "pipe_partitioned": True,
-    "grad_partitioned": True,
-}
 _COMPRESSION_TECHNIQUES = (
     "weight_quantization",
     "activation_quantization",
@@ -320,58 +295,42 @@ _COMPRESSION_TECHNIQUES = (
     "head_pruning",
     "channel_pruning",
 )
-_ZERO_PLUS_PLUS = (
-    "zero_quantized_weights",
-    "zero_quantized_nontrainable_weights",
-    "zero_quantized_gradients",
-    "zero_hpz_partition_size",
-    "zeropp_loco_param",
-)
-_MICS = ("mics_shard_size", "mics_hierarchical_params_gather")
-_ZERO_INTERNALS = (
-    "legacy_stage1",
-    "elastic_checkpoint",
-    "use_multi_rank_bucket_allreduce",
-    "use_all_reduce_for_fetch_params",
-    "allgather_sequential",
-    "memory_efficient_linear",
-    "pipeline_loading_checkpoint",
-    "override_module_apply",
-    "log_trace_cache_warnings",
-    "enable_sanity_checks",
-    "save_muon_momentum_buffer_in_memory",
-)
-_ENGINE_SWITCHES = (
-    "managed_gradient_accumulation",
-    "disable_allgather",
-    "dump_state",
-    "graph_harvesting",
-    "use_data_before_expert_parallelism",
-)
+_MISSING = object()
 
 
-def _changed(block: Block, prefix: str, names: tuple[str, ...] | None = None) -> Iterator[str]:
-    """Yields "prefix.field=value" for each field of `block` (or of `names`) that differs from its default."""
-    default = type(block)()
-    for name in names or tuple(type(block).model_fields):
-        value = getattr(block, name)
-        if value == getattr(default, name):
+def _default_of(block: Block, name: str) -> Any:
+    return type(block).model_fields[name].get_default(call_default_factory=True)
+
+
+def _changed(
+    block: Any, prefix: str, names: tuple[str, ...], defaults: Mapping[str, Any] | None
+) -> Iterator[str]:
+    """Yields "prefix.key=value" for each setting of `block` (or of `names`) that differs from its default.
+
+    `block` is a typed `Block` or a feature block (a dict, compared with `defaults`; a key without a
+    default counts as changed)."""
+    head = f"{prefix}." if prefix else ""
+    if isinstance(block, Block):
+        for name in names or tuple(type(block).model_fields):
+            value, default = getattr(block, name), _default_of(block, name)
+            if value == default:
+                continue
+            if isinstance(value, Block):
+                yield from _changed(value, f"{head}{name}", (), None)
+            else:
+                yield f"{head}{name}={show(value)}"
+        return
+    defaults = defaults or {}
+    for name, value in block.items():
+        if names and name not in names:
             continue
-        if isinstance(value, Block):
-            yield from _changed(value, f"{prefix}.{name}")
+        default = defaults.get(name, _MISSING)
+        if value == default:
+            continue
+        if isinstance(value, Mapping) and isinstance(default, Mapping):
+            yield from _changed(value, f"{head}{name}", (), default)
         else:
-            yield f"{prefix}.{name}={show(value)}"
-
-
-def _enabled(cfg: ZeroshardConfig, key: str) -> list[str]:
-    block = getattr(cfg, key)
-    value = block.get("enabled") if isinstance(block, Mapping) else getattr(block, "enabled", None)
-    return [f"{key}.enabled=true"] if value is True else []
-
-
-def _pipeline(cfg: ZeroshardConfig) -> list[str]:
-    block = cfg.pipeline or {}
-    return [f"pipeline.{k}={show(v)}" for k, v in block.items() if _PIPELINE_DEFAULTS.get(k, object()) != v]
+            yield f"{head}{name}={show(value)}"
 
 
 def _compression(cfg: ZeroshardConfig) -> list[str]:
@@ -386,17 +345,6 @@ def _compression(cfg: ZeroshardConfig) -> list[str]:
     return found
 
 
-def _present(cfg: ZeroshardConfig, key: str) -> list[str]:
-    value = getattr(cfg, key)
-    if key == "weight_quantization" and isinstance(value, Mapping) and value.get("enabled") is False:
-        return []
-    return [key] if value is not None and value is not False else []
-
-
-def _zero(cfg: ZeroshardConfig, names: tuple[str, ...]) -> list[str]:
-    return list(_changed(cfg.zero_optimization, "zero_optimization", names))
-
-
 def _sequence_parallel(cfg: ZeroshardConfig) -> list[str]:
     found = []
     if cfg.sequence_parallel_size is not None and cfg.sequence_parallel_size > 1:
@@ -408,66 +356,45 @@ def _sequence_parallel(cfg: ZeroshardConfig) -> list[str]:
     return found
 
 
-def _engine(cfg: ZeroshardConfig) -> list[str]:
-    defaults = {name: ZeroshardConfig.model_fields[name].default for name in _ENGINE_SWITCHES}
-    return [
-        f"{name}={show(getattr(cfg, name))}"
-        for name in _ENGINE_SWITCHES
-        if getattr(cfg, name) != defaults[name]
-    ]
+_CUSTOM = {"compression training": _compression, "sequence parallelism": _sequence_parallel}
 
 
-_Rule = Callable[[ZeroshardConfig], list[str]]
-_FEATURES: tuple[tuple[str, _Rule], ...] = (
-    ("pipeline parallelism", _pipeline),
-    ("tensor parallelism (AutoTP)", lambda c: list(_changed(c.tensor_parallel, "tensor_parallel"))),
-    ("the FLOPs profiler", lambda c: _enabled(c, "flops_profiler")),
-    ("ZeRO++", lambda c: _zero(c, _ZERO_PLUS_PLUS)),
-    ("MiCS", lambda c: _zero(c, _MICS)),
-    ("ZenFlow", lambda c: ["zero_optimization.zenflow"] if c.zero_optimization.zenflow is not None else []),
-    (
-        "SuperOffload",
-        lambda c: (
-            ["zero_optimization.offload_optimizer.super_offload=true"]
-            if c.zero_optimization.offload_optimizer.super_offload
-            else []
-        ),
-    ),
-    ("DeepSpeed-internal ZeRO switches", lambda c: _zero(c, _ZERO_INTERNALS)),
-    ("sparse attention", lambda c: _present(c, "sparse_attention")),
-    ("compression training", _compression),
-    ("quantize-aware training (MoQ)", lambda c: _enabled(c, "quantize_training")),
-    ("inference weight quantization", lambda c: _present(c, "weight_quantization")),
-    (
-        "DeepSpeed activation checkpointing",
-        lambda c: list(_changed(c.activation_checkpointing, "activation_checkpointing")),
-    ),
-    ("eigenvalue computation", lambda c: _enabled(c, "eigenvalue")),
-    ("progressive layer drop", lambda c: _enabled(c, "progressive_layer_drop")),
-    ("curriculum learning", lambda c: _enabled(c, "curriculum_learning")),
-    ("the data efficiency library", lambda c: _enabled(c, "data_efficiency")),
-    ("elastic training", lambda c: _enabled(c, "elasticity")),
-    ("the autotuner", lambda c: _enabled(c, "autotuning")),
-    ("Apex AMP", lambda c: _enabled(c, "amp")),
-    ("torch.autocast", lambda c: _enabled(c, "torch_autocast")),
-    ("DeepSpeed compile", lambda c: list(_changed(c.compile, "compile"))),
-    ("sequence parallelism", _sequence_parallel),
-    ("expert parallelism (AutoEP)", lambda c: _enabled(c, "expert_parallel")),
-    ("the hybrid engine", lambda c: _enabled(c, "hybrid_engine")),
-    ("Nebula checkpointing", lambda c: _enabled(c, "nebula")),
-    ("DataStates checkpointing", lambda c: _present(c, "datastates_ckpt")),
-    ("DeepSpeed engine switches", _engine),
-)
+def _at(cfg: ZeroshardConfig, dotted: str) -> Any:
+    value: Any = cfg
+    for part in dotted.split(".") if dotted else ():
+        value = value.get(part) if isinstance(value, Mapping) else getattr(value, part)
+    return value
+
+
+def _turned_on(cfg: ZeroshardConfig, feature: Feature) -> list[str]:
+    """The settings by which `cfg` turns `feature` on (see `features.Feature`); empty when it does not."""
+    if feature.on == "custom":
+        return _CUSTOM[feature.name](cfg)
+    block = _at(cfg, feature.at)
+    if feature.on == "enabled":
+        value = block.get("enabled") if isinstance(block, Mapping) else getattr(block, "enabled", None)
+        return [f"{feature.at}.enabled=true"] if value is True else []
+    if feature.on == "present":
+        off = (
+            block is None or block is False or (isinstance(block, Mapping) and block.get("enabled") is False)
+        )
+        return [] if off else [feature.at]
+    if block is None:
+        return []
+    defaults = feature.defaults
+    if defaults is None and feature.at in FEATURE_BLOCKS:
+        defaults = FEATURE_BLOCKS[feature.at].defaults()
+    return list(_changed(block, feature.at, feature.settings, defaults))
 
 
 def out_of_scope_warnings(cfg: ZeroshardConfig) -> list[str]:
     """One message per out-of-scope feature `cfg` turns on (see [Note: out-of-scope features])."""
     messages = []
-    for feature, rule in _FEATURES:
-        settings = rule(cfg)
+    for feature in OUT_OF_SCOPE:
+        settings = _turned_on(cfg, feature)
         if settings:
             listed = ", ".join(settings)
             messages.append(
-                f"{feature} is not supported by zeroshard; these settings have no effect: {listed}"
+                f"{feature.name} is not supported by zeroshard; these settings have no effect: {listed}"
             )
     return messages

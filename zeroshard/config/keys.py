@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from typing import Any, Union, get_args, get_origin
 
 from pydantic import ValidationError
+from pydantic_core import ErrorDetails
 
 from zeroshard.config.blocks import Block
 from zeroshard.config.errors import Problems, show
@@ -33,9 +34,11 @@ __all__ = [
     "canonicalize",
     "drop_auto",
     "nested_block",
+    "record",
     "split_top_level",
     "top_level_keys",
     "translate",
+    "unknown_key_message",
 ]
 
 
@@ -48,12 +51,6 @@ NOT_CONFIG_KEYS = frozenset({"world_size", "warnings"})
 
 Paths = dict[tuple[str, ...], str]
 """Maps a canonical location (field names) to the dotted key path the user wrote."""
-
-_REMOVED: dict[tuple[str, ...], str] = {
-    ("compile", "disable"): "was removed from DeepSpeed's compile block (DeepSpeed rejects it too)",
-    ("compile", "backend"): "was removed from DeepSpeed's compile block (DeepSpeed rejects it too)",
-    ("compile", "kwargs"): "was removed from DeepSpeed's compile block (DeepSpeed rejects it too)",
-}
 
 
 def top_level_keys(model: type[Block]) -> list[str]:
@@ -108,10 +105,8 @@ def split_top_level(
     return kept
 
 
-def _unknown_key_message(path: str, key: str, parent: tuple[str, ...], known: list[str]) -> str:
-    removed = _REMOVED.get((*parent, key))
-    if removed is not None:
-        return f"{path}: {removed}; delete it"
+def unknown_key_message(path: str, key: str, known: list[str]) -> str:
+    """The message for an unknown key inside a block: a did-you-mean, or the known keys."""
     match = _suggest(key, known, _NESTED_CUTOFF)
     if match is not None:
         return f"{path}: unknown key; did you mean '{match}'?"
@@ -147,7 +142,7 @@ def canonicalize(
         path = f"{user_path}.{key}" if user_path else key
         name = model.input_aliases.get(key, key)
         if name not in model.model_fields or name in NOT_CONFIG_KEYS:
-            problems.add(_unknown_key_message(path, key, loc, known))
+            problems.add(unknown_key_message(path, key, known))
             continue
         if name in out:
             problems.add(f"{path}: the same setting is also given as '{spelled[name]}'; keep one of them")
@@ -215,19 +210,22 @@ def _expected(kind: str, ctx: dict[str, Any], message: str) -> str:
     return message
 
 
+def record(item: ErrorDetails, path: str, problems: Problems) -> None:
+    """Records one pydantic error `item` about the value at `path` (the user's spelling) in `problems`."""
+    kind = item["type"]
+    if kind == "missing":
+        problems.add(f"{path}: required key is missing")
+        return
+    if kind == "extra_forbidden":
+        problems.add(f"{path}: unknown key")
+        return
+    expected = _expected(kind, dict(item.get("ctx") or {}), item["msg"])
+    problems.add(
+        f"{path}: {show(item.get('input'))} is not allowed; {expected}", type_error=kind in _TYPE_ERRORS
+    )
+
+
 def translate(error: ValidationError, paths: Paths, problems: Problems) -> None:
     """Records each error of `error` in `problems` as "<dotted.path>: <value> is not allowed; <what is>"."""
     for item in error.errors(include_url=False):
-        loc = tuple(item["loc"])
-        path = _user_path(loc, paths)
-        kind = item["type"]
-        if kind == "missing":
-            problems.add(f"{path}: required key is missing")
-            continue
-        if kind == "extra_forbidden":
-            problems.add(f"{path}: unknown key")
-            continue
-        expected = _expected(kind, dict(item.get("ctx") or {}), item["msg"])
-        problems.add(
-            f"{path}: {show(item.get('input'))} is not allowed; {expected}", type_error=kind in _TYPE_ERRORS
-        )
+        record(item, _user_path(tuple(item["loc"]), paths), problems)

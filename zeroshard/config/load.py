@@ -27,7 +27,7 @@ from pydantic import ValidationError
 
 from zeroshard.config.checks import check_config, out_of_scope_warnings
 from zeroshard.config.errors import ConfigError, ConfigTypeError, ConfigWarning, Problems
-from zeroshard.config.features import apply_deprecations, user_spelling
+from zeroshard.config.features import apply_deprecations, check_feature_blocks, user_spelling
 from zeroshard.config.keys import Paths, canonicalize, drop_auto, split_top_level, translate
 from zeroshard.config.resolve import GAS, MICRO, TRAIN, AutoContext, BatchSizes, resolve_auto, resolve_batch
 from zeroshard.config.schema import ZeroshardConfig
@@ -370,6 +370,7 @@ def load_config(
     paths: Paths = {}
     data = canonicalize(data, ZeroshardConfig, problems, paths)
     user_spelling(paths, renamed)
+    data = check_feature_blocks(data, problems)
     ctx = AutoContext(world_size, hidden_size, model_dtype, client_optimizer)
     data, given, auto = resolve_auto(data, ctx, problems)
     data = drop_auto(data, ZeroshardConfig)
