@@ -2,11 +2,12 @@
 `ZeroshardConfig`, and where `initialize()` finds the config (its arguments and the command-line flags).
 
 The steps: read the source with limits (UTF-8, finite numbers, nesting depth, no duplicate keys); rewrite
-deprecated keys (`features.py`); apply the unknown-key policy and rename aliases (`keys.py`); resolve
-"auto" and complete the batch triad (`resolve.py`); validate types and ranges (pydantic, messages from
-`keys.py`); check rules across settings and build the optimizer and scheduler over a stand-in
-(`checks.py`); warn about features zeroshard does not implement. All problems are collected and raised
-together; all warnings are emitted at the end and kept on the config.
+deprecated keys, apply the unknown-key policy and rename aliases (`keys.py`); check the blocks of
+features zeroshard does not implement (`features.py`); resolve "auto" and complete the batch triad
+(`resolve.py`); validate types and ranges (pydantic, messages from `keys.py`); check rules across
+settings and build the optimizer and scheduler over a stand-in (`checks.py`); warn about features
+zeroshard does not implement. All problems are collected and raised together; all warnings are emitted
+at the end and kept on the config.
 """
 
 from __future__ import annotations
@@ -27,8 +28,16 @@ from pydantic import ValidationError
 
 from zeroshard.config.checks import check_config, out_of_scope_warnings
 from zeroshard.config.errors import ConfigError, ConfigTypeError, ConfigWarning, Problems
-from zeroshard.config.features import apply_deprecations, check_feature_blocks, user_spelling
-from zeroshard.config.keys import Paths, canonicalize, drop_auto, split_top_level, translate
+from zeroshard.config.features import check_feature_blocks
+from zeroshard.config.keys import (
+    Paths,
+    apply_deprecations,
+    canonicalize,
+    drop_auto,
+    split_top_level,
+    translate,
+    user_spelling,
+)
 from zeroshard.config.resolve import GAS, MICRO, TRAIN, AutoContext, BatchSizes, resolve_auto, resolve_batch
 from zeroshard.config.schema import ZeroshardConfig
 
