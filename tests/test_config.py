@@ -78,7 +78,7 @@ def test_defaults_are_deepspeed_0_19_6s() -> None:
     assert (cfg.aio.single_submit, cfg.aio.overlap_events, cfg.aio.use_gds) == (False, True, False)
     assert cfg.checkpoint.tag_validation == "WARN" and cfg.checkpoint.writer is None
     assert cfg.tensorboard.enabled is False and cfg.wandb.project == "deepspeed"
-    assert cfg.activation_checkpointing.partition_activations is False
+    assert cfg.activation_checkpointing["partition_activations"] is False
     assert cfg.warnings == ()
 
 

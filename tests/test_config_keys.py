@@ -128,13 +128,27 @@ def test_removed_compile_keys_are_rejected_like_deepspeed() -> None:
 def test_opaque_blocks_are_not_key_checked() -> None:
     cfg, _ = load_with_warnings(
         {
-            "optimizer": {"type": "MyOpt", "params": {"anything": 1, "nested": {"x": 2}}},
-            "scheduler": {"type": "MySched", "params": {"whatever": True}},
-            "amp": {"enabled": False, "opt_level": "O1"},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.8, 0.9]}},
+            "amp": {"enabled": False, "opt_level": "O1", "nested": {"x": 2}},
         }
     )
-    assert cfg.optimizer is not None and cfg.optimizer.params == {"anything": 1, "nested": {"x": 2}}
-    assert cfg.amp == {"enabled": False, "opt_level": "O1"}
+    assert cfg.optimizer is not None and cfg.optimizer.params == {"lr": 1e-3, "betas": [0.8, 0.9]}
+    assert cfg.amp == {"enabled": False, "opt_level": "O1", "nested": {"x": 2}}
+
+
+def test_optimizer_and_scheduler_params_are_checked_by_their_constructors() -> None:
+    """The params are keyword arguments: load_config checks them as initialize() builds them (both
+    problems reported at once, naming the keys)."""
+    with pytest.raises(ConfigError) as caught:
+        load_with_warnings(
+            {
+                "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "nested": {"x": 2}}},
+                "scheduler": {"type": "MySched", "params": {"whatever": True}},
+            }
+        )
+    message = str(caught.value)
+    assert "optimizer.params.nested: unknown key for torch.optim.AdamW" in message
+    assert "scheduler.type: unknown scheduler 'MySched'" in message
 
 
 STAGE3_ALIASES = {
@@ -165,7 +179,7 @@ def test_gather_16bit_accepts_both_spellings(key: str) -> None:
 
 def test_tensor_parallel_aliases() -> None:
     cfg, _ = load_with_warnings({"tensor_parallel": {"tp": {"tp_size": 1}, "kernel_inject": False}})
-    assert cfg.tensor_parallel.tensor_parallel.tp_size == 1
+    assert cfg.tensor_parallel["tensor_parallel"]["tp_size"] == 1
 
 
 def test_one_setting_under_two_spellings_is_an_error() -> None:

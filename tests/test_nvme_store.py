@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from zeroshard.config.schema_blocks import AioConfig
+from zeroshard.config.blocks import AioConfig
 from zeroshard.offload import swapfile
 from zeroshard.offload.nvme import ALIGN, AioSettings, NvmeStore
 

@@ -13,7 +13,14 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from zeroshard.agreement import check_ranks_agree
-from zeroshard.config import ConfigWarning, ZeroshardConfig, load_config, resolve_config_source
+from zeroshard.config import (
+    ConfigError,
+    ConfigTypeError,
+    ConfigWarning,
+    ZeroshardConfig,
+    load_config,
+    resolve_config_source,
+)
 from zeroshard.core.buffers import BufferPool
 from zeroshard.core.comm import Comm
 from zeroshard.core.grad_sync import GradientReducer
@@ -79,6 +86,7 @@ def initialize(
             hidden_size=_hidden_size(model),
             model_dtype=next((p.dtype for p in model.parameters()), None),
             client_optimizer=client_opt,
+            optimizer_given=optimizer is not None,
         )
     check_ranks_agree(model, cfg, comm)
     plan = plan_for(cfg.zero_optimization.stage)
@@ -217,7 +225,10 @@ def _build_optimizer(
         )
     if cfg.optimizer is None:
         return None
-    return build_optimizer(cfg.optimizer.type, cfg.optimizer.params, sharded_groups, stage=plan.stage)
+    try:
+        return build_optimizer(cfg.optimizer.type, cfg.optimizer.params, sharded_groups, stage=plan.stage)
+    except (TypeError, ValueError) as err:
+        raise _does_not_fit(err) from err
 
 
 def _build_scheduler(lr_scheduler: Any, cfg: ZeroshardConfig, opt: torch.optim.Optimizer | None) -> Any:
@@ -241,7 +252,18 @@ def _build_scheduler(lr_scheduler: Any, cfg: ZeroshardConfig, opt: torch.optim.O
         raise ValueError(
             "scheduler: a 'scheduler' config block needs an optimizer (config 'optimizer' or optimizer=)"
         )
-    return build_scheduler(cfg.scheduler.type, cfg.scheduler.params, opt)
+    try:
+        return build_scheduler(cfg.scheduler.type, cfg.scheduler.params, opt)
+    except (TypeError, ValueError) as err:
+        raise _does_not_fit(err) from err
+
+
+def _does_not_fit(err: TypeError | ValueError) -> ConfigError:
+    """`load_config` built the config's optimizer and schedule over a stand-in parameter already (see
+    [Note: one validation] in config/checks.py); what fails now depends on the model, such as a per-group
+    list (`warmup_max_lr: [a, b]`) whose length is not the number of param groups."""
+    kind = ConfigTypeError if isinstance(err, TypeError) else ConfigError
+    return kind(f"ds_config does not fit this model's parameter groups: {err}")
 
 
 def _build_dataloader(

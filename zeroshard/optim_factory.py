@@ -21,14 +21,14 @@ from typing import Any
 
 import torch
 
-from zeroshard.optimizers import DeepSpeedAdam, Lamb, Lion
-from zeroshard.optimizers._kwargs import (
+from zeroshard.config.params import (
     check_keys,
     check_value,
     checked_kwargs,
     keyword_defaults,
     resolve_name,
 )
+from zeroshard.optimizers import DeepSpeedAdam, Lamb, Lion
 
 __all__ = ["build_optimizer", "check_optimizer_for_stage"]
 

@@ -6,13 +6,18 @@ the rules and every default.
 
 from __future__ import annotations
 
-from zeroshard.config.cli import add_config_arguments, resolve_config_source
+from zeroshard.config.blocks import (
+    BF16Config,
+    FP16Config,
+    OffloadOptimizerConfig,
+    OffloadParamConfig,
+    OptimizerSpec,
+    SchedulerSpec,
+    ZeroConfig,
+)
 from zeroshard.config.errors import ConfigError, ConfigTypeError, ConfigWarning
-from zeroshard.config.load import load_config
+from zeroshard.config.load import add_config_arguments, load_config, resolve_config_source
 from zeroshard.config.schema import ZeroshardConfig
-from zeroshard.config.schema_blocks import OptimizerSpec, SchedulerSpec
-from zeroshard.config.schema_precision import BF16Config, FP16Config
-from zeroshard.config.schema_zero import OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
 
 __all__ = [
     "BF16Config",

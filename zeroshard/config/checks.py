@@ -1,4 +1,5 @@
-"""Rules that relate several settings, checked on the validated config.
+"""Rules on the validated config: errors across settings, warnings for settings and features without
+effect, and the one validation of the optimizer and scheduler params.
 
 Errors mirror what DeepSpeed rejects (fp16 with bf16, partial offload below stage 3, ...); warnings
 point at settings DeepSpeed silently ignores, and at DeepSpeed settings zeroshard does not implement
@@ -22,14 +23,54 @@ does (a default never warns):
 each gradient out of `param.grad` as soon as autograd produces it, which is what `true` asks for, and
 `false` (the default) only delays DeepSpeed's fp32 accumulation within a backward, without changing a
 value.
+
+[Note: one validation]
+`optimizer.params` and `scheduler.params` are keyword arguments of a constructor, so only building the
+optimizer and the schedule checks them fully (keys, kinds, finiteness, the ranges the class itself
+enforces, such as a negative lr). `load_config` therefore builds both with the very functions
+`initialize()` uses (`build_optimizer`, `build_scheduler`) over a one-element stand-in parameter at the
+config's ZeRO stage, and records any `TypeError`/`ValueError` as a config problem. `zeroshard check-config`
+calls `load_config`, so it refuses exactly what `initialize()` refuses, with the same message. The config
+block is checked even when `initialize()` is given a client optimizer or scheduler (which it then uses
+instead): a broken block is a broken config. What the config alone cannot decide is left to
+`initialize()`: a per-param-group list (`warmup_max_lr: [a, b]`) must have one value per group of the
+model's optimizer; the stand-in has as many groups as the first such list has values, so here the values
+are checked and the lists against each other, and `initialize()` checks the length against the model.
+
+[Note: out-of-scope features] A feature counts as turned on (rules also in docs/config.md):
+- blocks with an `enabled` switch (flops_profiler, torch_autocast, amp, progressive_layer_drop,
+  eigenvalue, curriculum_learning, data_efficiency, quantize_training, expert_parallel, elasticity,
+  autotuning, hybrid_engine, nebula): when `enabled` is true;
+- blocks without one (activation_checkpointing, compile, tensor_parallel, pipeline): when any value
+  differs from DeepSpeed's default;
+- sparse_attention, zenflow, datastates_ckpt, weight_quantization: when present (DeepSpeed turns them on
+  by presence; weight_quantization unless `enabled: false`);
+- compression_training: when any technique's `shared_parameters.enabled` (or layer_reduction.enabled) is true;
+- ZeRO++ (zero_quantized_*, zero_hpz_partition_size > 1, zeropp_loco_param), MiCS (mics_shard_size > 0,
+  mics_hierarchical_params_gather), SuperOffload (offload_optimizer.super_offload), sequence parallelism
+  (sequence_parallel_size > 1, data_parallel_size, seq_parallel_communication_data_type not fp32), and
+  DeepSpeed-internal ZeRO and engine switches: when set to a non-default value.
+The config still loads; the warning names the settings that have no effect.
 """
 
 from __future__ import annotations
 
-from zeroshard.config.errors import Problems, show
-from zeroshard.config.schema import ZeroshardConfig
+import logging
+import warnings
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
 
-__all__ = ["check_config"]
+import torch
+
+from zeroshard.config.blocks import Block
+from zeroshard.config.errors import Problems, show
+from zeroshard.config.features import FEATURE_BLOCKS, NO_EFFECT, OUT_OF_SCOPE, Feature
+from zeroshard.config.schema import ZeroshardConfig
+from zeroshard.lr_schedules import build_scheduler
+from zeroshard.optim_factory import build_optimizer
+
+__all__ = ["check_config", "out_of_scope_warnings"]
 
 
 def _precision(cfg: ZeroshardConfig, problems: Problems) -> None:
@@ -92,7 +133,7 @@ def _allreduce_op(cfg: ZeroshardConfig, problems: Problems) -> None:
         )
     if cfg.zero_optimization.zenflow is not None:
         problems.add('gradient_allreduce_op: "sum" is not allowed with zero_optimization.zenflow')
-    if cfg.compile.deepcompile:
+    if cfg.compile.get("deepcompile"):
         problems.add('gradient_allreduce_op: "sum" is not allowed with compile.deepcompile')
 
 
@@ -121,45 +162,239 @@ def _data_types(cfg: ZeroshardConfig, problems: Problems, notes: list[str]) -> N
 
 def _without_effect(cfg: ZeroshardConfig, notes: list[str]) -> None:
     """Warnings for settings zeroshard does not implement (see [Note: settings without effect])."""
-    if cfg.gradient_allreduce_op == "sum":
-        notes.append(
-            'gradient_allreduce_op: "sum" has no effect: zeroshard always averages gradients over the '
-            'data-parallel ranks, as "mean" (the default) does'
+    for key, value, instead in NO_EFFECT:
+        if _at(cfg, key) == value:
+            notes.append(f"{key}: {show(value)} has no effect: {instead}")
+
+
+_BUILDER_LOGGERS = (
+    "zeroshard.optim_factory",
+    "zeroshard.lr_schedules",
+    "zeroshard.lr_schedules.base",
+    "zeroshard.lr_schedules.cycle",
+    "zeroshard.lr_schedules.warmup",
+)
+
+
+class _DropAll(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return False
+
+
+@contextmanager
+def _quiet_builders() -> Iterator[None]:
+    """Silences the builders' log lines and warnings during the trial build; `initialize()` repeats the
+    build and logs them once, for the real optimizer."""
+    drop = _DropAll()
+    loggers = [logging.getLogger(name) for name in _BUILDER_LOGGERS]
+    for logger in loggers:
+        logger.addFilter(drop)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for logger in loggers:
+            logger.removeFilter(drop)
+
+
+_PER_GROUP_KEYS = (
+    "warmup_min_lr",
+    "warmup_max_lr",
+    "lr_range_test_min_lr",
+    "base_lr",
+    "max_lr",
+    "base_momentum",
+    "max_momentum",
+)
+"""Schedule params that may hold one value per param group (DeepSpeed's and torch's schedules)."""
+
+
+def _group_count(params: dict[str, Any]) -> int:
+    """Param groups of the stand-in optimizer: the length of the first per-group list, else 1."""
+    for key in _PER_GROUP_KEYS:
+        value = params.get(key)
+        if isinstance(value, list | tuple) and 1 <= len(value) <= 64:
+            return len(value)
+    return 1
+
+
+def _has_auto(params: Mapping[str, Any]) -> bool:
+    """Whether "auto" is left in `params`: `resolve_auto` has then recorded why it could not resolve it."""
+    return any(isinstance(value, str) and value == "auto" for value in params.values())
+
+
+def _optimizer_and_scheduler(cfg: ZeroshardConfig, problems: Problems) -> None:
+    """Builds the config's optimizer and schedule over a stand-in parameter (see [Note: one validation])."""
+    if cfg.optimizer is None and cfg.scheduler is None:
+        return
+    groups: list[dict[str, Any]] = [
+        {"params": [torch.zeros(1)]}
+        for _ in range(_group_count(cfg.scheduler.params if cfg.scheduler else {}))
+    ]
+    optimizer: torch.optim.Optimizer | None = None
+    with _quiet_builders():
+        if cfg.optimizer is not None and not _has_auto(cfg.optimizer.params):
+            stage = cfg.zero_optimization.stage
+            try:
+                optimizer = build_optimizer(cfg.optimizer.type, cfg.optimizer.params, groups, stage=stage)
+            except (TypeError, ValueError) as err:
+                problems.add(str(err), type_error=isinstance(err, TypeError))
+        if cfg.scheduler is not None and not _has_auto(cfg.scheduler.params):
+            # Without a usable optimizer block (the client's optimizer drives the schedule), AdamW stands in.
+            stand_in = optimizer if optimizer is not None else torch.optim.AdamW(groups, lr=1e-3)
+            try:
+                build_scheduler(cfg.scheduler.type, cfg.scheduler.params, stand_in)
+            except (TypeError, ValueError) as err:
+                problems.add(str(err), type_error=isinstance(err, TypeError))
+
+
+def _needs_optimizer(cfg: ZeroshardConfig, problems: Problems) -> None:
+    """Without an optimizer from `initialize()`, what needs the config's `optimizer` block."""
+    if cfg.optimizer is not None:
+        return
+    if cfg.scheduler is not None:
+        problems.add(
+            "scheduler: a 'scheduler' block needs an optimizer: add an 'optimizer' block or pass optimizer= "
+            "to initialize()"
         )
-    if cfg.sparse_gradients:
-        notes.append(
-            "sparse_gradients: true has no effect: zeroshard reduces every gradient as a dense tensor"
-        )
-    fp32_state = (
-        ("fp16.fp16_master_weights_and_grads", cfg.fp16.fp16_master_weights_and_grads),
-        ("bf16.bf16_master_weights_and_grads", cfg.bf16.bf16_master_weights_and_grads),
-        ("bf16.bf16_optimizer_states", cfg.bf16.bf16_optimizer_states),
-    )
-    for key, value in fp32_state:
-        if value:
-            notes.append(
-                f"{key}: true has no effect: zeroshard keeps the master weights, the gradients they are "
-                f"stepped with and the optimizer state in fp32"
-            )
-    if cfg.memory_breakdown:
-        notes.append(
-            "memory_breakdown: true has no effect: zeroshard does not log allocator memory; the "
-            "steps_per_print line and engine.memory_breakdown() report this rank's parameter, gradient, "
-            "optimizer-state and buffer bytes"
+    zero = cfg.zero_optimization
+    if zero.offload_optimizer.device == "nvme" and zero.stage >= 1:
+        problems.add(
+            "zero_optimization.offload_optimizer.device: \"nvme\" needs an optimizer: add an 'optimizer' "
+            "block or pass optimizer= to initialize()"
         )
 
 
-def check_config(cfg: ZeroshardConfig, problems: Problems, notes: list[str]) -> None:
-    """Records cross-setting errors in `problems` and warnings about ignored settings in `notes`."""
+def check_config(
+    cfg: ZeroshardConfig, problems: Problems, notes: list[str], *, optimizer_given: bool = False
+) -> None:
+    """Records cross-setting errors in `problems` and warnings about ignored settings in `notes`.
+
+    Args:
+        cfg: The validated config.
+        problems: Where errors are recorded.
+        notes: Where warnings are recorded.
+        optimizer_given: Whether `initialize()` was given an optimizer (object or callable).
+    """
+    if not optimizer_given:
+        _needs_optimizer(cfg, problems)
     _precision(cfg, problems)
     _offload(cfg, problems, notes)
     _allreduce_op(cfg, problems)
     _data_types(cfg, problems, notes)
     _without_effect(cfg, notes)
-    if cfg.optimizer is not None:
-        max_norm = cfg.optimizer.params.get("max_grad_norm")
-        if isinstance(max_norm, int | float) and max_norm > 0:
-            notes.append(
-                f"optimizer.params.max_grad_norm ({max_norm}) is not used for clipping; set "
-                f"gradient_clipping instead (DeepSpeed warns about this too)"
+    _optimizer_and_scheduler(cfg, problems)
+
+
+_COMPRESSION_TECHNIQUES = (
+    "weight_quantization",
+    "activation_quantization",
+    "sparse_pruning",
+    "row_pruning",
+    "head_pruning",
+    "channel_pruning",
+)
+_MISSING = object()
+
+
+def _default_of(block: Block, name: str) -> Any:
+    return type(block).model_fields[name].get_default(call_default_factory=True)
+
+
+def _changed(
+    block: Any, prefix: str, names: tuple[str, ...], defaults: Mapping[str, Any] | None
+) -> Iterator[str]:
+    """Yields "prefix.key=value" for each setting of `block` (or of `names`) that differs from its default.
+
+    `block` is a typed `Block` or a feature block (a dict, compared with `defaults`; a key without a
+    default counts as changed)."""
+    head = f"{prefix}." if prefix else ""
+    if isinstance(block, Block):
+        for name in names or tuple(type(block).model_fields):
+            value, default = getattr(block, name), _default_of(block, name)
+            if value == default:
+                continue
+            if isinstance(value, Block):
+                yield from _changed(value, f"{head}{name}", (), None)
+            else:
+                yield f"{head}{name}={show(value)}"
+        return
+    defaults = defaults or {}
+    for name, value in block.items():
+        if names and name not in names:
+            continue
+        default = defaults.get(name, _MISSING)
+        if value == default:
+            continue
+        if isinstance(value, Mapping) and isinstance(default, Mapping):
+            yield from _changed(value, f"{head}{name}", (), default)
+        else:
+            yield f"{head}{name}={show(value)}"
+
+
+def _compression(cfg: ZeroshardConfig) -> list[str]:
+    block = cfg.compression_training or {}
+    found = []
+    for name in _COMPRESSION_TECHNIQUES:
+        shared = (block.get(name) or {}).get("shared_parameters") or {}
+        if shared.get("enabled") is True:
+            found.append(f"compression_training.{name}.shared_parameters.enabled=true")
+    if ((block.get("layer_reduction") or {}).get("enabled")) is True:
+        found.append("compression_training.layer_reduction.enabled=true")
+    return found
+
+
+def _sequence_parallel(cfg: ZeroshardConfig) -> list[str]:
+    found = []
+    if cfg.sequence_parallel_size is not None and cfg.sequence_parallel_size > 1:
+        found.append(f"sequence_parallel_size={cfg.sequence_parallel_size}")
+    if cfg.data_parallel_size is not None:
+        found.append(f"data_parallel_size={cfg.data_parallel_size}")
+    if cfg.seq_parallel_communication_data_type != "fp32":
+        found.append(f"seq_parallel_communication_data_type={show(cfg.seq_parallel_communication_data_type)}")
+    return found
+
+
+_CUSTOM = {"compression training": _compression, "sequence parallelism": _sequence_parallel}
+
+
+def _at(cfg: ZeroshardConfig, dotted: str) -> Any:
+    value: Any = cfg
+    for part in dotted.split(".") if dotted else ():
+        value = value.get(part) if isinstance(value, Mapping) else getattr(value, part)
+    return value
+
+
+def _turned_on(cfg: ZeroshardConfig, feature: Feature) -> list[str]:
+    """The settings by which `cfg` turns `feature` on (see `features.Feature`); empty when it does not."""
+    if feature.on == "custom":
+        return _CUSTOM[feature.name](cfg)
+    block = _at(cfg, feature.at)
+    if feature.on == "enabled":
+        value = block.get("enabled") if isinstance(block, Mapping) else getattr(block, "enabled", None)
+        return [f"{feature.at}.enabled=true"] if value is True else []
+    if feature.on == "present":
+        off = (
+            block is None or block is False or (isinstance(block, Mapping) and block.get("enabled") is False)
+        )
+        return [] if off else [feature.at]
+    if block is None:
+        return []
+    defaults = feature.defaults
+    if defaults is None and feature.at in FEATURE_BLOCKS:
+        defaults = FEATURE_BLOCKS[feature.at].defaults()
+    return list(_changed(block, feature.at, feature.settings, defaults))
+
+
+def out_of_scope_warnings(cfg: ZeroshardConfig) -> list[str]:
+    """One message per out-of-scope feature `cfg` turns on (see [Note: out-of-scope features])."""
+    messages = []
+    for feature in OUT_OF_SCOPE:
+        settings = _turned_on(cfg, feature)
+        if settings:
+            listed = ", ".join(settings)
+            messages.append(
+                f"{feature.name} is not supported by zeroshard; these settings have no effect: {listed}"
             )
+    return messages

@@ -8,51 +8,49 @@ and are listed in docs/config.md.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, Field
 
-from zeroshard.config.base import Block, Bool, Float, Int, OptInt, coerce_int
-from zeroshard.config.schema_blocks import (
-    ActivationCheckpointingConfig,
+from zeroshard.config.blocks import (
     AioConfig,
+    BF16Config,
+    Block,
+    Bool,
     CheckpointConfig,
     CometConfig,
     CommsLoggerConfig,
     CSVConfig,
-    FlopsProfilerConfig,
+    DataTypesConfig,
+    DtypeName,
+    Float,
+    FP16Config,
+    Int,
     OptimizerSpec,
+    OptInt,
     SchedulerSpec,
     TensorBoardConfig,
     TimersConfig,
     WandbConfig,
+    ZeroConfig,
+    coerce_int,
 )
-from zeroshard.config.schema_features import (
-    AutotuningConfig,
-    CompileConfig,
-    EigenvalueConfig,
-    ElasticityConfig,
-    HybridEngineConfig,
-    NebulaConfig,
-    ProgressiveLayerDropConfig,
-    SparseAttentionConfig,
-    TensorParallelConfig,
-)
-from zeroshard.config.schema_precision import (
-    BF16Config,
-    DataTypesConfig,
-    DtypeName,
-    FP16Config,
-    TorchAutocastConfig,
-)
-from zeroshard.config.schema_zero import ZeroConfig
+from zeroshard.config.features import feature_defaults
 
 __all__ = ["ZeroshardConfig"]
 
 _Positive = Annotated[Int, Field(gt=0)]
 _Opaque = dict[str, Any] | None
+_Feature = dict[str, Any]
+"""A block of a feature zeroshard does not implement, checked against its table in features.py with
+DeepSpeed's defaults filled in (see [Note: features as data])."""
+
+
+def _defaults(key: str) -> Any:
+    return Field(default_factory=functools.partial(feature_defaults, key))
 
 
 def _print_every(value: Any) -> Any:
@@ -160,32 +158,30 @@ class ZeroshardConfig(Block):
     """Collective-communication logger."""
     timers: TimersConfig = Field(default_factory=TimersConfig)
     """Timers."""
-    flops_profiler: FlopsProfilerConfig = Field(default_factory=FlopsProfilerConfig)
-    """FLOPs profiler (no effect in zeroshard)."""
-    activation_checkpointing: ActivationCheckpointingConfig = Field(
-        default_factory=ActivationCheckpointingConfig
-    )
+    flops_profiler: _Feature = _defaults("flops_profiler")
+    """FLOPs profiler (no effect in zeroshard); keys and defaults in features.py."""
+    activation_checkpointing: _Feature = _defaults("activation_checkpointing")
     """DeepSpeed's activation checkpointing API (no effect in zeroshard)."""
 
-    torch_autocast: TorchAutocastConfig = Field(default_factory=TorchAutocastConfig)
+    torch_autocast: _Feature = _defaults("torch_autocast")
     """torch.autocast integration (no effect in zeroshard)."""
-    compile: CompileConfig = Field(default_factory=CompileConfig)
+    compile: _Feature = _defaults("compile")
     """Compile settings (no effect in zeroshard)."""
-    tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
+    tensor_parallel: _Feature = _defaults("tensor_parallel")
     """AutoTP (no effect in zeroshard)."""
-    sparse_attention: SparseAttentionConfig | None = None
+    sparse_attention: _Feature | None = None
     """Sparse attention (no effect in zeroshard)."""
-    progressive_layer_drop: ProgressiveLayerDropConfig = Field(default_factory=ProgressiveLayerDropConfig)
+    progressive_layer_drop: _Feature = _defaults("progressive_layer_drop")
     """Progressive layer drop (no effect in zeroshard)."""
-    eigenvalue: EigenvalueConfig = Field(default_factory=EigenvalueConfig)
+    eigenvalue: _Feature = _defaults("eigenvalue")
     """Eigenvalue computation (no effect in zeroshard)."""
-    autotuning: AutotuningConfig = Field(default_factory=AutotuningConfig)
+    autotuning: _Feature = _defaults("autotuning")
     """Autotuner (no effect in zeroshard)."""
-    elasticity: ElasticityConfig = Field(default_factory=ElasticityConfig)
+    elasticity: _Feature = _defaults("elasticity")
     """Elastic training (no effect in zeroshard)."""
-    hybrid_engine: HybridEngineConfig = Field(default_factory=HybridEngineConfig)
+    hybrid_engine: _Feature = _defaults("hybrid_engine")
     """Hybrid engine (no effect in zeroshard)."""
-    nebula: NebulaConfig = Field(default_factory=NebulaConfig)
+    nebula: _Feature = _defaults("nebula")
     """Nebula checkpointing (no effect in zeroshard)."""
     amp: _Opaque = None
     """Apex AMP arguments, kept as given (no effect in zeroshard)."""

@@ -21,10 +21,7 @@ import torch
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from zeroshard.lr_schedules.base import _IterationSchedule
-from zeroshard.lr_schedules.cycle import LRRangeTest, OneCycle
-from zeroshard.lr_schedules.warmup import WarmupCosineLR, WarmupDecayLR, WarmupLR
-from zeroshard.optimizers._kwargs import (
+from zeroshard.config.params import (
     check_bool,
     check_int,
     check_keys,
@@ -32,6 +29,9 @@ from zeroshard.optimizers._kwargs import (
     check_value,
     resolve_name,
 )
+from zeroshard.lr_schedules.base import _IterationSchedule
+from zeroshard.lr_schedules.cycle import LRRangeTest, OneCycle
+from zeroshard.lr_schedules.warmup import WarmupCosineLR, WarmupDecayLR, WarmupLR
 
 __all__ = ["LRRangeTest", "OneCycle", "WarmupCosineLR", "WarmupDecayLR", "WarmupLR", "build_scheduler"]
 

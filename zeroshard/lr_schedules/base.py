@@ -9,7 +9,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from zeroshard.optimizers._kwargs import (
+from zeroshard.config.params import (
     check_int,
     check_number,
 )

@@ -9,12 +9,12 @@ from collections.abc import Sequence
 from torch import Tensor
 from torch.optim import Optimizer
 
-from zeroshard.lr_schedules.base import _IterationSchedule, _per_group, _positive
-from zeroshard.optimizers._kwargs import (
+from zeroshard.config.params import (
     check_bool,
     check_int,
     check_number,
 )
+from zeroshard.lr_schedules.base import _IterationSchedule, _per_group, _positive
 
 log = logging.getLogger(__name__)
 

@@ -8,12 +8,12 @@ from collections.abc import Sequence
 
 from torch.optim import Optimizer
 
-from zeroshard.lr_schedules.base import _IterationSchedule, _lr_value, _per_group
-from zeroshard.optimizers._kwargs import (
+from zeroshard.config.params import (
     check_choice,
     check_int,
     check_number,
 )
+from zeroshard.lr_schedules.base import _IterationSchedule, _lr_value, _per_group
 
 log = logging.getLogger(__name__)
 

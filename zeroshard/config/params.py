@@ -1,14 +1,18 @@
-"""Checking keyword arguments that come from a ds_config against a constructor.
+"""Checks of the free-form ``optimizer.params`` and ``scheduler.params`` of a ds_config.
 
-Shared by :mod:`zeroshard.optim_factory` and :mod:`zeroshard.lr_schedules`: both turn a
-``{"type": ..., "params": {...}}`` block into a constructor call, and both must name the
-offending key (``optimizer.params.<key>`` / ``scheduler.params.<key>``) when a value is wrong.
+These blocks are keyword arguments of a constructor (an optimizer class, an LR schedule), so their keys
+and value kinds come from the constructor's signature. :mod:`zeroshard.optim_factory` and
+:mod:`zeroshard.lr_schedules` call these checks while they build; `load_config` builds both over a
+stand-in parameter with the same code (see [Note: one validation] in ``checks.py``), so `check-config` and
+`initialize()` refuse the same params with the same message, naming ``optimizer.params.<key>`` or
+``scheduler.params.<key>``.
 """
 
 from __future__ import annotations
 
 import difflib
 import inspect
+import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -142,9 +146,15 @@ def is_number(value: object) -> bool:
 
 
 def check_number(path: str, value: object) -> float:
-    """Return ``value`` if it is an int or float (not a bool); raise TypeError naming ``path``."""
+    """Return ``value`` if it is a finite int or float (not a bool).
+
+    Raises:
+        TypeError: Not a number. ValueError: NaN or infinite. Both name ``path``.
+    """
     if not is_number(value):
         raise TypeError(f"{path}: expected a number, got {value!r} ({type(value).__name__})")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{path}: {value!r} is not allowed; expected a finite number")
     return value  # type: ignore[return-value]
 
 

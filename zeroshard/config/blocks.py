@@ -1,0 +1,632 @@
+"""The typed blocks of a ds_config that zeroshard reads: their value types, ZeRO, precision, optimizer and
+scheduler, aio, checkpoint, monitors and timers.
+
+Defaults are DeepSpeed 0.19.6's (`deepspeed/runtime/zero/config.py`, `offload_config.py`,
+`leaf_module_config.py`, `zenflow/zenflow_config.py`, `runtime/precision_config.py`,
+`runtime/constants.py`, `runtime/swap_tensor/constants.py`, `runtime/model_checkpointing/`,
+`monitor/config.py`, `comm/config.py`, `utils/config.py`); `docs/config.md` lists them all. Blocks of
+features zeroshard does not implement are declared as data in `features.py`.
+
+[Note: input aliases] DeepSpeed accepts two spellings for some keys (`stage3_prefetch_bucket_size` and
+`prefetch_bucket_size`). Our models have one field per setting, named like DeepSpeed's field; the other
+spellings live in the class's `input_aliases` and are renamed before validation (see `keys.py`), so error
+locations always use field names and a key given under both spellings is caught.
+
+[Note: numbers] JSON configs write big integers as floats (`"reduce_bucket_size": 5e8`), which DeepSpeed
+accepts, so integer fields take whole floats. Booleans are not numbers here (`"stage": true` is an error)
+and strings are not numbers (`"stage": "3"` is an error). Integers must fit in 64 bits (|n| <= 2**63 - 1,
+DeepSpeed's own "unbounded" default is `sys.maxsize`): a larger one is a typo, and torch could not hold it.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Mapping
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
+
+__all__ = [
+    "INT_MAX",
+    "AioConfig",
+    "BF16Config",
+    "Block",
+    "Bool",
+    "CSVConfig",
+    "CheckpointConfig",
+    "CheckpointWriterConfig",
+    "CometConfig",
+    "CommsLoggerConfig",
+    "DataTypesConfig",
+    "DtypeName",
+    "FP16Config",
+    "Float",
+    "Int",
+    "IntOrAuto",
+    "LeafModuleConfig",
+    "OffloadOptimizerConfig",
+    "OffloadParamConfig",
+    "OptBool",
+    "OptInt",
+    "OptStr",
+    "OptStrList",
+    "OptimizerSpec",
+    "ParallelWriteConfig",
+    "SchedulerSpec",
+    "Str",
+    "StrList",
+    "TensorBoardConfig",
+    "ThroughputTimerConfig",
+    "TimersConfig",
+    "WandbConfig",
+    "ZenFlowConfig",
+    "ZeroConfig",
+    "coerce_int",
+    "normalize_dtype",
+    "upper",
+]
+
+
+INT_MAX = 2**63 - 1
+"""The largest integer a config may hold (see [Note: numbers])."""
+
+
+def coerce_int(value: Any) -> Any:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise PydanticCustomError("zs_type", "expected an integer")
+    if isinstance(value, float):
+        if not math.isfinite(value) or not value.is_integer():
+            raise PydanticCustomError("zs_value", "expected an integer")
+        value = int(value)
+    if abs(value) > INT_MAX:
+        raise PydanticCustomError("zs_value", f"expected an integer between -{INT_MAX} and {INT_MAX}")
+    return value
+
+
+def _float(value: Any) -> Any:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise PydanticCustomError("zs_type", "expected a number")
+    if not math.isfinite(value):
+        raise PydanticCustomError("zs_value", "expected a finite number")
+    return float(value)
+
+
+def _bool(value: Any) -> Any:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    raise PydanticCustomError("zs_type", "expected true or false")
+
+
+def upper(value: Any) -> Any:
+    """Upper-cases strings before a choice check (DeepSpeed reads these settings case-insensitively)."""
+    return value.upper() if isinstance(value, str) else value
+
+
+def _str(value: Any) -> Any:
+    if not isinstance(value, str):
+        raise PydanticCustomError("zs_type", "expected a string")
+    return value
+
+
+def _str_list(value: Any) -> Any:
+    # DeepSpeed's leaf_module accepts a single string where it expects a list of them.
+    if isinstance(value, str):
+        return [value]
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise PydanticCustomError("zs_type", "expected a list of strings")
+    return list(dict.fromkeys(value))
+
+
+Int = Annotated[int, BeforeValidator(coerce_int)]
+"""An integer; whole floats such as 5e8 are accepted, see [Note: numbers]."""
+Float = Annotated[float, BeforeValidator(_float)]
+"""A finite number, stored as float."""
+Bool = Annotated[bool, BeforeValidator(_bool)]
+"""true or false (0 and 1 are accepted too, as DeepSpeed's pydantic blocks do)."""
+Str = Annotated[str, BeforeValidator(_str)]
+"""A string."""
+OptStr = Annotated[str | None, BeforeValidator(lambda v: v if v is None else _str(v))]
+"""A string or null."""
+StrList = Annotated[list[str], BeforeValidator(_str_list)]
+"""A list of strings (a single string counts as a list of one); duplicates are dropped."""
+OptBool = Annotated[bool | None, BeforeValidator(lambda v: v if v is None else _bool(v))]
+"""true, false or null."""
+OptInt = Annotated[int | None, BeforeValidator(lambda v: v if v is None else coerce_int(v))]
+"""An integer or null."""
+OptStrList = Annotated[list[str] | None, BeforeValidator(lambda v: v if v is None else _str_list(v))]
+"""A list of strings or null."""
+IntOrAuto = Annotated[int | str, BeforeValidator(lambda v: v if v == "auto" else coerce_int(v))]
+"""An integer or the string "auto" (for DeepSpeed fields whose own default is "auto")."""
+
+
+class Block(BaseModel):
+    """Base of every config block: frozen, and unknown keys are rejected.
+
+    Attributes:
+        input_aliases: Other spellings accepted for a field, see [Note: input aliases].
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid", protected_namespaces=())
+
+    input_aliases: ClassVar[Mapping[str, str]] = {}
+
+    # Read-only dict access, for code written against DeepSpeed's ``engine.config`` (a dict there):
+    # ``cfg["zero_optimization"]["stage"]`` is ``cfg.zero_optimization.stage``.
+    def __getitem__(self, key: str) -> Any:
+        name = self.input_aliases.get(key, key)
+        if name not in type(self).model_fields:
+            raise KeyError(key)
+        return getattr(self, name)
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, str) and self.input_aliases.get(key, key) in type(self).model_fields
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """``self[key]``, or ``default`` for a key that is not a field."""
+        return self[key] if key in self else default
+
+    def keys(self) -> list[str]:
+        return list(type(self).model_fields)
+
+
+_DTYPE_NAMES = {
+    "fp32": "fp32",
+    "float32": "fp32",
+    "float": "fp32",
+    "torch.float32": "fp32",
+    "fp16": "fp16",
+    "float16": "fp16",
+    "half": "fp16",
+    "torch.float16": "fp16",
+    "bf16": "bf16",
+    "bfloat16": "bf16",
+    "torch.bfloat16": "bf16",
+}
+
+
+def normalize_dtype(value: Any) -> Any:
+    """Maps DeepSpeed's dtype spellings ("bfloat16", "torch.float16", "half", ...) to fp32/fp16/bf16.
+
+    Raises:
+        PydanticCustomError: For anything else; `keys.translate` turns it into a message.
+    """
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise PydanticCustomError("zs_type", "expected one of 'fp32', 'fp16', 'bf16'")
+    name = _DTYPE_NAMES.get(value.strip().lower())
+    if name is None:
+        raise PydanticCustomError("zs_value", "expected one of 'fp32', 'fp16', 'bf16'")
+    return name
+
+
+DtypeName = Annotated[str | None, BeforeValidator(normalize_dtype)]
+""""fp32", "fp16", "bf16" or None; DeepSpeed's other spellings are normalised to these."""
+
+
+class FP16Config(Block):
+    """`fp16`: float16 mixed precision with a dynamic (or static) loss scale."""
+
+    enabled: Bool = False
+    """Train with fp16 compute and fp32 master weights."""
+    auto_cast: Bool = False
+    """Cast floating-point inputs to fp16."""
+    loss_scale: Annotated[Float, Field(ge=0.0)] = 0.0
+    """Static loss scale; 0 selects dynamic loss scaling."""
+    initial_scale_power: Annotated[Int, Field(ge=0, le=127)] = 16
+    """Dynamic scaling starts at 2**initial_scale_power (0 to 127: the scale must be finite in fp32)."""
+    loss_scale_window: Int = 1000
+    """Overflow-free steps before the scale is raised."""
+    hysteresis: Int = 2
+    """Overflows tolerated before the scale is lowered."""
+    consecutive_hysteresis: Bool = False
+    """Refill hysteresis after every overflow-free step."""
+    min_loss_scale: Float = 1.0
+    """Lower bound of the dynamic scale."""
+    fp16_master_weights_and_grads: Bool = False
+    """Keep master weights and gradients in fp16 (DeepSpeed: with its CPU Adam only); zeroshard keeps
+    them in fp32 and warns when this is true."""
+
+
+class BF16Config(Block):
+    """`bf16` (legacy spelling `bfloat16`): bfloat16 mixed precision, no loss scaling."""
+
+    enabled: Bool = False
+    """Train with bf16 compute."""
+    immediate_grad_update: Bool = False
+    """Accumulate each gradient into the fp32 buffer as soon as autograd produces it. zeroshard always
+    does (see [Note: settings without effect] in checks.py); `false` changes no value."""
+    check_grad_overflow: Bool = True
+    """Skip the step when gradients overflow (on by default in DeepSpeed 0.19.6)."""
+    bf16_master_weights_and_grads: Bool = False
+    """Keep master weights and gradients in bf16 (stages 1-3); zeroshard keeps them in fp32 and warns
+    when this is true."""
+    bf16_optimizer_states: Bool = False
+    """Keep optimizer state in bf16 (needs bf16_master_weights_and_grads); zeroshard keeps it in fp32
+    and warns when this is true."""
+
+
+class DataTypesConfig(Block):
+    """`data_types`: dtype overrides; None means "follow the precision mode"."""
+
+    grad_accum_dtype: DtypeName = None
+    """Dtype the kept gradients are accumulated in; None: fp32 with gradient accumulation, else the
+    compute dtype."""
+    param_dtype: DtypeName = None
+    """Dtype of the parameters; must be the precision mode's (fp16, bf16 or fp32) when given."""
+    buffer_dtype: DtypeName = None
+    """Dtype buffers are cast to. zeroshard casts floating-point buffers to the compute dtype under
+    fp16/bf16 and leaves them in fp32 training; it warns when this asks for another dtype."""
+
+
+Stage = Annotated[Literal[0, 1, 2, 3], BeforeValidator(coerce_int)]
+Device = Literal["none", "cpu", "nvme"]
+
+_DEFAULT_LEAF_CLASSES = (
+    "transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
+    "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
+    "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock",
+)
+
+
+class OffloadParamConfig(Block):
+    """`zero_optimization.offload_param`: where stage-3 parameter shards live between uses."""
+
+    device: Device = "none"
+    """"none" keeps parameters on the accelerator; "cpu" or "nvme" offloads them."""
+    nvme_path: OptStr = None
+    """Directory for NVMe offload; required when `device` is "nvme"."""
+    buffer_count: Annotated[Int, Field(ge=0)] = 5
+    """Buffers in the NVMe swap pool."""
+    buffer_size: Annotated[Int, Field(ge=0)] = 100_000_000
+    """Elements per NVMe swap buffer."""
+    max_in_cpu: Annotated[Int, Field(ge=0)] = 1_000_000_000
+    """Parameter elements kept in CPU memory when offloading to NVMe."""
+    pin_memory: Bool = True
+    """Use page-locked CPU memory for offloaded tensors."""
+
+
+class OffloadOptimizerConfig(Block):
+    """`zero_optimization.offload_optimizer`: where optimizer state lives and the step runs."""
+
+    device: Device = "none"
+    """"none" keeps optimizer state on the accelerator; "cpu" or "nvme" offloads it."""
+    nvme_path: OptStr = None
+    """Directory for NVMe offload; required when `device` is "nvme"."""
+    buffer_count: Annotated[Int, Field(ge=0)] = 4
+    """Buffers in the NVMe swap pool (at least the number of states per parameter)."""
+    pin_memory: Bool = True
+    """Use page-locked CPU memory for offloaded tensors."""
+    pipeline_read: Bool = False
+    """Overlap reading the next tile with the step on the current one (NVMe)."""
+    pipeline_write: Bool = False
+    """Overlap writing the previous tile with the step on the current one (NVMe)."""
+    fast_init: Bool = False
+    """Fast optimizer initialisation when offloading to NVMe."""
+    ratio: Annotated[Float, Field(ge=0.0, le=1.0)] = 1.0
+    """Fraction of optimizer state offloaded; below 1.0 only at stage 3."""
+    super_offload: Bool = False
+    """DeepSpeed's SuperOffload for superchips (no effect in zeroshard)."""
+    cpuadam_cores_perc: Annotated[Float, Field(ge=0.0, le=1.0)] = 0.8
+    """Share of CPU cores for SuperOffload's CPU Adam (no effect in zeroshard)."""
+
+
+class LeafModuleConfig(Block):
+    """`zero_optimization.leaf_module`: modules whose parameters stage 3 gathers as one unit."""
+
+    classes: StrList = Field(default_factory=lambda: list(_DEFAULT_LEAF_CLASSES))
+    """Fully qualified class names."""
+    names: StrList = Field(default_factory=list)
+    """Module names as in `named_modules()`."""
+    name_suffixes: StrList = Field(default_factory=list)
+    """Suffixes of module names."""
+
+
+class ZenFlowConfig(Block):
+    """`zero_optimization.zenflow`: DeepSpeed's ZenFlow (no effect in zeroshard; typed to validate)."""
+
+    topk_ratio: Annotated[Float, Field(gt=0.0, lt=1.0)] = 0.1
+    """Share of gradient columns treated as important."""
+    select_strategy: Literal["auto", "step", "epoch"] = "auto"
+    """How important columns are reselected."""
+    select_interval: IntOrAuto = "auto"
+    """Reselection interval."""
+    update_interval: IntOrAuto = "auto"
+    """Interval for applying the unimportant gradients."""
+    overlap_step: Bool = False
+    """Overlap the CPU step with forward/backward."""
+    offload: Bool = False
+    """Offload selective optimizer state."""
+    auto_ratio: Annotated[Float, Field(ge=0.0, le=1.0)] = 0.99
+    """Threshold of the "auto" strategy."""
+    full_warm_up_rounds: Int = 0
+    """Rounds at the start that update every column."""
+    pt_reserved_cores_perc: Annotated[Float, Field(ge=0.0, le=1.0)] = 0.5
+    """Share of cores reserved for PyTorch threads."""
+    steps_per_epoch: OptInt = None
+    """Set by DeepSpeed at run time."""
+
+
+class ZeroConfig(Block):
+    """`zero_optimization`: what is sharded (the stage) and how it is communicated.
+
+    Invariant: `overlap_comm` is resolved (DeepSpeed's `None` means True at stage 3, False below).
+    """
+
+    input_aliases: ClassVar[dict[str, str]] = {
+        "stage3_prefetch_bucket_size": "prefetch_bucket_size",
+        "stage3_param_persistence_threshold": "param_persistence_threshold",
+        "stage3_model_persistence_threshold": "model_persistence_threshold",
+        "stage3_max_live_parameters": "max_live_parameters",
+        "stage3_max_reuse_distance": "max_reuse_distance",
+        "stage3_gather_16bit_weights_on_model_save": "gather_16bit_weights_on_model_save",
+        "stage3_module_granularity_threshold": "module_granularity_threshold",
+        "stage3_use_all_reduce_for_fetch_params": "use_all_reduce_for_fetch_params",
+        "stage3_allgather_sequential": "allgather_sequential",
+    }
+
+    stage: Stage = 0
+    """0 = plain data parallel, 1 = shard optimizer state, 2 = + gradients, 3 = + parameters."""
+    contiguous_gradients: Bool = True
+    """Copy gradients into a contiguous buffer as they are produced."""
+    reduce_scatter: Bool = True
+    """Reduce gradients with reduce-scatter instead of all-reduce."""
+    reduce_bucket_size: Annotated[Int, Field(gt=0)] = 500_000_000
+    """Elements reduced at a time (at most: stage 0-2 units also stop at 2**22 elements, see
+    ``core/units.py`` [Note: bounded units])."""
+    use_multi_rank_bucket_allreduce: Bool = True
+    """DeepSpeed's combined all-reduce of several ranks' buckets."""
+    allgather_partitions: Bool = True
+    """All-gather updated partitions (instead of broadcasts) after the step."""
+    allgather_bucket_size: Annotated[Int, Field(ge=0)] = 500_000_000
+    """Elements all-gathered at a time."""
+    overlap_comm: Bool = False
+    """Overlap gradient reduction with backward (resolved, see the class docstring)."""
+    load_from_fp32_weights: Bool = True
+    """Restore fp32 master weights from the checkpoint's fp32 copy."""
+    elastic_checkpoint: Bool = False
+    """Legacy elastic checkpointing."""
+    offload_param: OffloadParamConfig = Field(default_factory=OffloadParamConfig)
+    """Parameter offload (stage 3); device "none" when the block is absent."""
+    offload_optimizer: OffloadOptimizerConfig = Field(default_factory=OffloadOptimizerConfig)
+    """Optimizer-state offload; device "none" when the block is absent."""
+    zenflow: ZenFlowConfig | None = None
+    """ZenFlow settings, None when absent."""
+    sub_group_size: Annotated[Int, Field(ge=0)] = 1_000_000_000
+    """Elements per optimizer sub-group (tile) at stage 3."""
+    prefetch_bucket_size: Annotated[Int, Field(ge=0)] = 50_000_000
+    """Stage 3: parameter elements fetched ahead of use (alias stage3_prefetch_bucket_size)."""
+    param_persistence_threshold: Annotated[Int, Field(ge=0)] = 100_000
+    """Stage 3: parameters smaller than this stay unsharded."""
+    model_persistence_threshold: Annotated[Int, Field(ge=0)] = sys.maxsize
+    """Stage 3: cap on the total elements kept unsharded."""
+    max_live_parameters: Annotated[Int, Field(ge=0)] = 1_000_000_000
+    """Stage 3: parameter elements resident before releasing."""
+    max_reuse_distance: Annotated[Int, Field(ge=0)] = 1_000_000_000
+    """Stage 3: keep a parameter if it is reused within this many elements."""
+    gather_16bit_weights_on_model_save: Bool = False
+    """Stage 3: accepted, no effect: save_16bit_model always streams full weights at stage 3."""
+    module_granularity_threshold: Int = 0
+    """Stage 3: modules whose parameters per layer are at most this are gathered whole (leaves)."""
+    use_all_reduce_for_fetch_params: Bool = False
+    """Stage 3: DeepSpeed fetches parameters with all-reduce."""
+    allgather_sequential: Bool = False
+    """Stage 3: DeepSpeed all-gathers parameters one by one."""
+    ignore_unused_parameters: Bool = True
+    """Tolerate parameters that get no gradient."""
+    legacy_stage1: Bool = False
+    """DeepSpeed's old stage-1 implementation."""
+    round_robin_gradients: Bool = False
+    """Stage 1/2 with CPU offload: split gradient copies among ranks."""
+    zero_hpz_partition_size: Annotated[Int, Field(ge=0)] = 1
+    """ZeRO++ hierarchical partitioning group size (1 = off)."""
+    zero_quantized_weights: Bool = False
+    """ZeRO++ quantized weight all-gather."""
+    zero_quantized_nontrainable_weights: Bool = False
+    """ZeRO++ quantized storage of frozen weights."""
+    zero_quantized_gradients: Bool = False
+    """ZeRO++ quantized gradient reduction."""
+    zeropp_loco_param: dict[str, Any] | None = None
+    """ZeRO++ LoCo settings, kept as given."""
+    mics_shard_size: Int = -1
+    """MiCS shard group size (-1 = off)."""
+    mics_hierarchical_params_gather: Bool = False
+    """MiCS hierarchical all-gather."""
+    memory_efficient_linear: Bool = True
+    """Stage 3: DeepSpeed's memory-efficient linear layer."""
+    pipeline_loading_checkpoint: Bool = False
+    """Stage 3: force pipeline-mode checkpoint loading."""
+    override_module_apply: Bool = True
+    """Stage 3: DeepSpeed overrides nn.Module.apply."""
+    log_trace_cache_warnings: Bool = False
+    """Stage 3: log trace-cache invalidations."""
+    enable_sanity_checks: Bool = False
+    """Internal sanity checks."""
+    save_muon_momentum_buffer_in_memory: Bool = False
+    """Keep Muon's momentum in memory with NVMe offload."""
+    leaf_module: LeafModuleConfig = Field(default_factory=LeafModuleConfig)
+    """Modules gathered as one unit at stage 3."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _resolve_overlap_comm(cls, data: Any) -> Any:
+        # DeepSpeed's default is None, meaning "on for stage 3 only"; store the resolved value.
+        if isinstance(data, dict) and data.get("overlap_comm") is None:
+            data = {**data, "overlap_comm": data.get("stage", 0) == 3}
+        return data
+
+
+_Positive = Annotated[Int, Field(gt=0)]
+
+
+class OptimizerSpec(Block):
+    """`optimizer`: the optimizer DeepSpeed would build; zeroshard's optimizer factory validates params."""
+
+    type: Str
+    """Optimizer name as written (e.g. "AdamW")."""
+    params: dict[str, Any] = Field(default_factory=dict)
+    """Constructor arguments with "auto" resolved."""
+    legacy_fusion: Bool = False
+    """DeepSpeed's legacy fused-optimizer flag."""
+
+
+class SchedulerSpec(Block):
+    """`scheduler`: the learning-rate schedule DeepSpeed would build (e.g. "WarmupLR")."""
+
+    type: Str
+    """Scheduler name as written."""
+    params: dict[str, Any] = Field(default_factory=dict)
+    """Scheduler arguments with "auto" resolved."""
+
+
+class AioConfig(Block):
+    """`aio`: asynchronous NVMe I/O settings (legacy `thread_count` is read as `intra_op_parallelism`)."""
+
+    block_size: _Positive = 1_048_576
+    """Bytes per I/O request."""
+    queue_depth: _Positive = 8
+    """Outstanding requests per submission queue."""
+    intra_op_parallelism: _Positive = 1
+    """Threads that split one tensor's I/O."""
+    single_submit: Bool = False
+    """Submit requests one at a time instead of batched."""
+    overlap_events: Bool = True
+    """Overlap submission and completion."""
+    use_gds: Bool = False
+    """Use GPUDirect Storage."""
+
+
+class ParallelWriteConfig(Block):
+    """`checkpoint.parallel_write`."""
+
+    pipeline_stage: Bool = False
+    """Write pipeline-stage checkpoints in parallel."""
+
+
+class CheckpointWriterConfig(Block):
+    """`checkpoint.writer`: DeepSpeed's fast checkpoint writer."""
+
+    type: Annotated[Literal["MOCK", "PYTHON", "FAST"], BeforeValidator(upper)] = "FAST"
+    """Writer implementation."""
+    io_buffer_size: _Positive = 64 * 1024**2
+    """Bytes of the I/O buffer."""
+    io_buffer_double: Bool = True
+    """Double-buffer writes."""
+    show_statistics: Bool = False
+    """Log write statistics."""
+    data_parallel: Annotated[Literal["REPLICA", "SOCKET", "MACHINE"] | None, BeforeValidator(upper)] = None
+    """How data-parallel ranks share the write."""
+    decoupled: Bool = False
+    """Write in a background process."""
+    io_multiplier: _Positive = 1
+    """Writer I/O multiplier."""
+
+
+class CheckpointConfig(Block):
+    """`checkpoint`: checkpoint tagging and writing."""
+
+    tag_validation: Annotated[Literal["WARN", "IGNORE", "FAIL"], BeforeValidator(upper)] = "WARN"
+    """What to do when ranks save under different tags."""
+    load_universal: Bool = False
+    """Load a universal (resharded) checkpoint."""
+    use_node_local_storage: Bool = False
+    """Each node saves to its own local storage."""
+    parallel_write: ParallelWriteConfig = Field(default_factory=ParallelWriteConfig)
+    """Parallel writes of pipeline stages."""
+    checkpoint_serialization: Bool = True
+    """Serialize with torch.save's zipfile format."""
+    writer: CheckpointWriterConfig | None = None
+    """Fast writer settings, None for the default torch.save path."""
+
+
+class TensorBoardConfig(Block):
+    """`tensorboard` monitor."""
+
+    enabled: Bool = False
+    """Log to TensorBoard."""
+    output_path: Str = ""
+    """Log directory; empty means the launch directory."""
+    job_name: Str = "DeepSpeedJobName"
+    """Sub-directory for this job."""
+
+
+class WandbConfig(Block):
+    """`wandb` monitor."""
+
+    enabled: Bool = False
+    """Log to Weights & Biases."""
+    group: OptStr = None
+    """Run group."""
+    team: OptStr = None
+    """Team (entity)."""
+    project: Str = "deepspeed"
+    """Project."""
+
+
+class CSVConfig(Block):
+    """`csv_monitor`."""
+
+    enabled: Bool = False
+    """Log to CSV files."""
+    output_path: Str = ""
+    """Output directory; empty means the launch directory."""
+    job_name: Str = "DeepSpeedJobName"
+    """Sub-directory for this job."""
+
+
+class CometConfig(Block):
+    """`comet` monitor."""
+
+    enabled: Bool = False
+    """Log to Comet."""
+    samples_log_interval: _Positive = 100
+    """Samples between submissions."""
+    project: OptStr = None
+    """Project name."""
+    workspace: OptStr = None
+    """Workspace name."""
+    api_key: OptStr = None
+    """API key (prefer the COMET_API_KEY environment variable)."""
+    experiment_name: OptStr = None
+    """Experiment name."""
+    experiment_key: OptStr = None
+    """Experiment key."""
+    online: OptBool = None
+    """Log online (None = Comet's default)."""
+    mode: OptStr = None
+    """"get", "create" or "get_or_create"."""
+
+
+class CommsLoggerConfig(Block):
+    """`comms_logger`: per-collective logging."""
+
+    enabled: Bool = False
+    """Log collectives."""
+    prof_all: Bool = True
+    """Profile every collective."""
+    prof_ops: StrList = Field(default_factory=list)
+    """Collectives to profile when prof_all is false."""
+    verbose: Bool = False
+    """Log every call."""
+    debug: Bool = False
+    """Include the caller."""
+
+
+class ThroughputTimerConfig(Block):
+    """`timers.throughput`."""
+
+    enabled: Bool = True
+    """Measure throughput."""
+    synchronized: Bool = True
+    """Synchronize the device when timing."""
+
+
+class TimersConfig(Block):
+    """`timers`."""
+
+    throughput: ThroughputTimerConfig = Field(default_factory=ThroughputTimerConfig)
+    """Throughput timer."""

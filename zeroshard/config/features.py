@@ -1,0 +1,459 @@
+"""DeepSpeed settings zeroshard reads but does not act on, as data: the blocks of features zeroshard does
+not implement, when a config turns each such feature on, and in-scope settings without effect.
+
+The blocks of features zeroshard does not implement are declared as tables (see [Note: features as
+data]) and checked against them, so that a typo inside them is still an error (with a did-you-mean), and
+so that `checks.py` can tell whether a config turns the feature on. Defaults follow DeepSpeed 0.19.6
+(`compile/config.py`, `runtime/tensor_parallel/config.py`, `runtime/constants.py`,
+`autotuning/constants.py`, `elasticity/constants.py`, `runtime/config.py`, `nebula/constants.py`,
+`profiling/constants.py`, `activation_checkpointing/config.py`). Blocks whose content DeepSpeed passes on
+unchecked (amp, pipeline, compression_training, ...) are kept as given. `OUT_OF_SCOPE` says when a config
+turns each such feature on; `NO_EFFECT` lists in-scope settings zeroshard does not act on.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, TypeAdapter, ValidationError
+
+from zeroshard.config.blocks import Bool, DtypeName, Float, Int, OptInt, OptStr, OptStrList, Str
+from zeroshard.config.errors import Problems, show
+from zeroshard.config.keys import record, unknown_key_message
+
+__all__ = [
+    "FEATURE_BLOCKS",
+    "NO_EFFECT",
+    "OUT_OF_SCOPE",
+    "Feature",
+    "FeatureBlock",
+    "Setting",
+    "check_feature_blocks",
+    "feature_defaults",
+]
+
+# [Note: features as data] A DeepSpeed feature zeroshard does not implement is declared by a table, not
+# a typed model: each block maps its keys to (value type, DeepSpeed's default, what it does). The value
+# type is a pydantic annotation from blocks.py, so values are checked (and messages worded) as in the
+# typed blocks. `check_feature_blocks` checks a config's blocks against the tables and fills in the
+# defaults; `OUT_OF_SCOPE` says when a block turns its feature on (`checks.out_of_scope_warnings`), and
+# `NO_EFFECT` lists the in-scope settings whose non-default value zeroshard does not act on.
+
+Setting = tuple[Any, Any, str]
+"""One key of a feature block: (value type as a pydantic annotation, or a nested `FeatureBlock`;
+DeepSpeed's default; what it does)."""
+
+
+@dataclass(frozen=True)
+class FeatureBlock:
+    """The keys of one block of a feature zeroshard does not implement.
+
+    Attributes:
+        doc: What the block is, for messages and docs.
+        settings: Key -> `Setting`.
+        aliases: Other spellings DeepSpeed accepts -> the key.
+        removed: Keys DeepSpeed removed (and rejects) -> why.
+        optional: Absent means None (DeepSpeed turns the feature on by the block's presence), not the
+            defaults.
+    """
+
+    doc: str
+    settings: Mapping[str, Setting]
+    aliases: Mapping[str, str] = field(default_factory=dict)
+    removed: Mapping[str, str] = field(default_factory=dict)
+    optional: bool = False
+
+    def defaults(self) -> dict[str, Any]:
+        """The block as DeepSpeed fills it in when the config leaves it out (nested blocks included)."""
+        return {
+            key: kind.defaults() if isinstance(kind, FeatureBlock) else copy.copy(default)
+            for key, (kind, default, _) in self.settings.items()
+        }
+
+
+_TP: dict[str, Setting] = {
+    "tp_size": (Int, 1, "Tensor-parallel degree."),
+    "tp_grain_size": (Int, 1, "Partition granularity."),
+    "mpu": (Any, None, "Model-parallel unit (set from code, not JSON)."),
+    "tp_group": (Any, None, "Process group (set from code, not JSON)."),
+}
+
+_COMPILE: dict[str, Setting] = {
+    "deepcompile": (Bool, False, "DeepCompile mode."),
+    "free_activation": (Bool, False, "Eagerly free activations."),
+    "free_activation_threshold": (Int, 10 * 1024 * 1024, "Bytes above which activations are freed eagerly."),
+    "offload_activation": (Bool, False, "Offload saved activations to host memory."),
+    "offload_activation_pin_memory": (Bool, True, "Pin the host buffers of offloaded activations."),
+    "offload_opt_states": (Bool, False, "Offload optimizer state during forward/backward."),
+    "double_buffer": (Bool, True, "Double buffering."),
+    "symmetric_memory": (Bool, False, "Symmetric memory."),
+    "debug_log": (Bool, False, "Dump graphs."),
+    "offload_parameters": (Bool, False, "Offload parameters."),
+    "sync_before_reduce": (Bool, False, "Synchronize before reduce."),
+    "sync_after_reduce": (Bool, False, "Synchronize after reduce."),
+    "sync_before_allgather": (Bool, False, "Synchronize before all-gather."),
+    "sync_after_allgather": (Bool, False, "Synchronize after all-gather."),
+    "keep_int_input_tensors": (Bool, True, "Keep real values of int inputs."),
+    "keep_all_input_tensors": (Bool, False, "Keep real values of all inputs."),
+    "passes": (list[Literal["z1", "z3", "autosp", "autotp"]] | None, None, "Compiler passes."),
+}
+
+_TENSOR_PARALLEL: dict[str, Setting] = {
+    "dtype": (Any, None, "Model dtype for AutoTP (DeepSpeed default torch.float16)."),
+    "autotp_size": (Annotated[Int, Field(ge=0)], 0, "AutoTP degree; 0 (or 1) means off."),
+    "tp_overlap_comm": (Bool, False, "Overlap TP all-reduce with compute."),
+    "tensor_parallel": (FeatureBlock("`tensor_parallel.tp`", _TP), None, "Inner TP settings (alias `tp`)."),
+    "injection_policy_tuple": (Any, None, "Injection policy (set from code)."),
+    "partition_config": (dict[str, Any] | None, None, "Custom AutoTP layer specs, kept as given."),
+    "preset_model": (OptStr, None, "Built-in AutoTP preset."),
+    "keep_module_on_host": (Bool, False, "Keep checkpoint tensors on the host while loading."),
+    "replace_with_kernel_inject": (Bool, False, "Inject inference kernels (alias `kernel_inject`)."),
+}
+
+_SPARSE_ATTENTION: dict[str, Setting] = {
+    "mode": (Literal["dense", "fixed", "variable", "bigbird", "bslongformer"], "fixed", "Layout family."),
+    "block": (Int, 16, "Block size."),
+    "different_layout_per_head": (Bool, False, "Separate layout per head."),
+    "num_local_blocks": (Int, 4, "Local blocks (fixed)."),
+    "num_global_blocks": (Int, 1, "Global blocks."),
+    "attention": (Literal["bidirectional", "unidirectional"], "bidirectional", "Attention direction."),
+    "horizontal_global_attention": (Bool, False, "Horizontal global attention."),
+    "num_different_global_patterns": (Int, 1, "Distinct global patterns."),
+    "num_random_blocks": (Int, 0, "Random blocks."),
+    "local_window_blocks": (list[Int], [4], "Local window sizes (variable)."),
+    "global_block_indices": (list[Int], [0], "Global block indices."),
+    "global_block_end_indices": (list[Int] | None, None, "Global block end indices."),
+    "num_sliding_window_blocks": (Int, 3, "Sliding-window blocks."),
+}
+
+_PROGRESSIVE_LAYER_DROP: dict[str, Setting] = {
+    "enabled": (Bool, False, "Progressive layer dropping."),
+    "theta": (Float, 1.0, "Keep-probability floor."),
+    "gamma": (Float, 0.001, "Decay rate."),
+}
+
+_EIGENVALUE: dict[str, Setting] = {
+    "enabled": (Bool, False, "Eigenvalue computation."),
+    "verbose": (Bool, False, "Verbose output."),
+    "max_iter": (Int, 100, "Power-iteration limit."),
+    "tol": (Float, 0.01, "Tolerance."),
+    "stability": (Float, 1e-6, "Stability term."),
+    "gas_boundary_resolution": (Int, 1, "Steps between computations."),
+    "layer_name": (Str, "bert.encoder.layer", "Module path of the layers."),
+    "layer_num": (Int, 0, "Number of layers."),
+}
+
+_AUTOTUNING: dict[str, Setting] = {
+    "enabled": (Bool, False, "Autotuning."),
+    "fast": (Bool, True, "Fast mode."),
+    "results_dir": (Str, "autotuning_results", "Results directory."),
+    "exps_dir": (Str, "autotuning_exps", "Experiments directory."),
+    "overwrite": (Bool, True, "Overwrite earlier results."),
+    "start_profile_step": (Int, 3, "First profiled step."),
+    "end_profile_step": (Int, 5, "Last profiled step."),
+    "metric_path": (OptStr, None, "Metric output file."),
+    "tuner_type": (Literal["gridsearch", "random", "model_based"], "gridsearch", "Search strategy."),
+    "tuner_early_stopping": (Int, 5, "Trials without improvement before stopping."),
+    "tuner_num_trials": (Int, 50, "Maximum trials."),
+    "arg_mappings": (dict[str, Any] | None, None, "Mapping of config keys to script arguments."),
+    "max_train_batch_size": (OptInt, None, "Largest train batch size tried."),
+    "min_train_batch_size": (Int, 1, "Smallest train batch size tried."),
+    "max_train_micro_batch_size_per_gpu": (Int, 1024, "Largest micro batch tried."),
+    "min_train_micro_batch_size_per_gpu": (Int, 1, "Smallest micro batch tried."),
+    "num_tuning_micro_batch_sizes": (Int, 3, "Micro batch sizes tried."),
+    "mp_size": (Int, 1, "Model-parallel size."),
+    "metric": (
+        Literal["latency", "throughput", "flops", "forward", "step"],
+        "throughput",
+        "Metric optimised.",
+    ),
+    "model_info_path": (OptStr, None, "Model info file."),
+    "model_info": (dict[str, Any] | None, None, "Model info, kept as given."),
+}
+
+_ELASTICITY: dict[str, Setting] = {
+    "enabled": (Bool, False, "Elastic training."),
+    "max_train_batch_size": (Int, 2000, "Largest acceptable train batch size."),
+    "micro_batch_sizes": (list[Int], [2, 4, 6], "Acceptable micro batch sizes."),
+    "min_gpus": (Int, 1, "Fewest GPUs."),
+    "max_gpus": (Int, 10000, "Most GPUs."),
+    "num_gpus_per_node": (Int, 1, "GPUs per node."),
+    "model_parallel_size": (Int, 1, "Model-parallel size."),
+    "min_time": (Int, 0, "Minutes before rescaling."),
+    "prefer_larger_batch": (Bool, True, "Prefer the larger batch size."),
+    "ignore_non_elastic_batch_info": (Bool, False, "Ignore batch keys outside the elasticity block."),
+    "version": (Float, 0.2, "Elasticity algorithm version."),
+}
+
+_HYBRID_ENGINE: dict[str, Setting] = {
+    "enabled": (Bool, False, "Hybrid engine."),
+    "max_out_tokens": (Int, 512, "Generation length."),
+    "inference_tp_size": (Int, 1, "Inference tensor-parallel size."),
+    "release_inference_cache": (Bool, False, "Free the inference cache after generating."),
+    "pin_parameters": (Bool, True, "Pin parameters."),
+    "tp_gather_partition_size": (Int, 8, "Gather partition size."),
+    "enable_cuda_graph": (Bool, False, "CUDA graphs."),
+}
+
+_NEBULA: dict[str, Setting] = {
+    "enabled": (Bool, False, "Nebula checkpointing."),
+    "persistent_storage_path": (OptStr, None, "Persistent storage directory."),
+    "persistent_time_interval": (Int, 100, "Seconds between persists."),
+    "num_of_version_in_retention": (Int, 2, "Checkpoints kept."),
+    "enable_nebula_load": (Bool, True, "Load through Nebula."),
+    "nebula_load_path": (OptStr, None, "Load directory."),
+}
+
+_TORCH_AUTOCAST: dict[str, Setting] = {
+    "enabled": (Bool, False, "Run forward under torch.autocast."),
+    "dtype": (DtypeName, None, "Autocast dtype."),
+    "lower_precision_safe_modules": (
+        OptStrList,
+        None,
+        "Module classes allowed to run in the lower precision.",
+    ),
+}
+
+_FLOPS_PROFILER: dict[str, Setting] = {
+    "enabled": (Bool, False, "Profile one step."),
+    "recompute_fwd_factor": (Float, 0.0, "Share of forward recomputed in backward."),
+    "profile_step": (Int, 1, "Step to profile."),
+    "module_depth": (Int, -1, "Depth of the module tree printed."),
+    "top_modules": (Int, 1, "Top modules listed."),
+    "detailed": (Bool, True, "Print the per-module profile."),
+    "output_file": (OptStr, None, "File for the profile; None prints it."),
+}
+
+_ACTIVATION_CHECKPOINTING: dict[str, Setting] = {
+    "partition_activations": (Bool, False, "Shard checkpointed activations across model-parallel ranks."),
+    "number_checkpoints": (OptInt, None, "Checkpoints per forward pass."),
+    "contiguous_memory_optimization": (Bool, False, "Copy checkpoints into a contiguous buffer."),
+    "synchronize_checkpoint_boundary": (Bool, False, "Synchronize at checkpoint boundaries."),
+    "profile": (Bool, False, "Profile checkpointing."),
+    "cpu_checkpointing": (Bool, False, "Keep checkpoints on the CPU."),
+}
+
+
+_REMOVED_FROM_COMPILE = "was removed from DeepSpeed's compile block (DeepSpeed rejects it too)"
+
+FEATURE_BLOCKS: dict[str, FeatureBlock] = {
+    "compile": FeatureBlock(
+        "DeepSpeed's torch.compile / DeepCompile settings",
+        _COMPILE,
+        removed=dict.fromkeys(("disable", "backend", "kwargs"), _REMOVED_FROM_COMPILE),
+    ),
+    "tensor_parallel": FeatureBlock(
+        "DeepSpeed's AutoTP training settings",
+        _TENSOR_PARALLEL,
+        aliases={"tp": "tensor_parallel", "kernel_inject": "replace_with_kernel_inject"},
+    ),
+    "sparse_attention": FeatureBlock(
+        "DeepSpeed's block-sparse attention layouts", _SPARSE_ATTENTION, optional=True
+    ),
+    "progressive_layer_drop": FeatureBlock("progressive layer drop", _PROGRESSIVE_LAYER_DROP),
+    "eigenvalue": FeatureBlock(
+        "eigenvalue computation (legacy top-level spelling; DeepSpeed now reads it inside quantize_training)",
+        _EIGENVALUE,
+    ),
+    "autotuning": FeatureBlock(
+        "DeepSpeed's autotuner (run by the `deepspeed --autotuning` launcher)", _AUTOTUNING
+    ),
+    "elasticity": FeatureBlock("DeepSpeed's elastic batch-size search", _ELASTICITY),
+    "hybrid_engine": FeatureBlock("DeepSpeed-Chat's train/generate engine", _HYBRID_ENGINE),
+    "nebula": FeatureBlock("Azure Nebula asynchronous checkpointing", _NEBULA),
+    "torch_autocast": FeatureBlock("DeepSpeed's torch.autocast integration", _TORCH_AUTOCAST),
+    "flops_profiler": FeatureBlock("DeepSpeed's FLOPs profiler", _FLOPS_PROFILER),
+    "activation_checkpointing": FeatureBlock(
+        "DeepSpeed's activation checkpointing API", _ACTIVATION_CHECKPOINTING
+    ),
+}
+"""The typed-by-table blocks of features zeroshard does not implement, by top-level key."""
+
+
+def feature_defaults(key: str) -> dict[str, Any] | None:
+    """The value `ZeroshardConfig` holds for feature block `key` when the config leaves it out."""
+    block = FEATURE_BLOCKS[key]
+    return None if block.optional else block.defaults()
+
+
+@functools.cache
+def _adapter(kind: Any) -> TypeAdapter[Any]:
+    return TypeAdapter(kind)
+
+
+def _check_block(block: FeatureBlock, given: Any, path: str, problems: Problems) -> dict[str, Any]:
+    """`given` checked against `block`, with DeepSpeed's defaults for what it leaves out."""
+    out = block.defaults()
+    if given is None:
+        return out
+    if not isinstance(given, Mapping):
+        problems.add(f"{path}: {show(given)} is not allowed; expected an object ({{...}})", type_error=True)
+        return out
+    spelled: dict[str, str] = {}
+    for key, value in given.items():
+        if not isinstance(key, str):
+            problems.add(f"{path}.{key!r}: keys must be strings", type_error=True)
+            continue
+        if key.startswith("_"):  # a comment
+            continue
+        where = f"{path}.{key}"
+        name = block.aliases.get(key, key)
+        if key in block.removed:
+            problems.add(f"{where}: {block.removed[key]}; delete it")
+            continue
+        if name not in block.settings:
+            problems.add(unknown_key_message(where, key, [*block.settings, *block.aliases]))
+            continue
+        if name in spelled:
+            problems.add(f"{where}: the same setting is also given as '{spelled[name]}'; keep one of them")
+            continue
+        spelled[name] = key
+        if isinstance(value, str) and value == "auto":  # DeepSpeed's pydantic blocks drop "auto"
+            continue
+        kind = block.settings[name][0]
+        if isinstance(kind, FeatureBlock):
+            out[name] = _check_block(kind, value, where, problems)
+            continue
+        try:
+            out[name] = _adapter(kind).validate_python(value)
+        except ValidationError as err:
+            for item in err.errors(include_url=False):
+                record(item, where + "".join(f"[{part}]" for part in item["loc"]), problems)
+    return out
+
+
+def check_feature_blocks(data: Mapping[str, Any], problems: Problems) -> dict[str, Any]:
+    """Checks the config's feature blocks against `FEATURE_BLOCKS` (see [Note: features as data]).
+
+    Args:
+        data: The top-level config with canonical keys (see `keys.canonicalize`).
+        problems: Where unknown keys and wrong values are recorded, named by their dotted key.
+
+    Returns:
+        A copy of `data` whose feature blocks are complete (DeepSpeed's defaults filled in).
+    """
+    out = dict(data)
+    for key, block in FEATURE_BLOCKS.items():
+        if key in out and not (block.optional and out[key] is None):
+            out[key] = _check_block(block, out[key], key, problems)
+    return out
+
+
+@dataclass(frozen=True)
+class Feature:
+    """When a config turns on a DeepSpeed feature zeroshard does not implement.
+
+    Attributes:
+        name: The feature, as the warning names it.
+        at: Dotted location of its settings in the config ("" for the top level).
+        on: "enabled" (the block's `enabled` is true), "changed" (a setting differs from DeepSpeed's
+            default), "present" (the block is given and neither false nor `enabled: false`), or
+            "custom" (`checks.py` has a rule for it).
+        settings: For "changed", only these settings count (default: all of the block's).
+        defaults: For "changed" on a block kept as given, DeepSpeed's defaults (other keys count as
+            changed).
+    """
+
+    name: str
+    at: str
+    on: Literal["enabled", "changed", "present", "custom"]
+    settings: tuple[str, ...] = ()
+    defaults: Mapping[str, Any] | None = None
+
+
+_ZERO_PLUS_PLUS = (
+    "zero_quantized_weights",
+    "zero_quantized_nontrainable_weights",
+    "zero_quantized_gradients",
+    "zero_hpz_partition_size",
+    "zeropp_loco_param",
+)
+_ZERO_INTERNALS = (
+    "legacy_stage1",
+    "elastic_checkpoint",
+    "use_multi_rank_bucket_allreduce",
+    "use_all_reduce_for_fetch_params",
+    "allgather_sequential",
+    "memory_efficient_linear",
+    "pipeline_loading_checkpoint",
+    "override_module_apply",
+    "log_trace_cache_warnings",
+    "enable_sanity_checks",
+    "save_muon_momentum_buffer_in_memory",
+)
+_ENGINE_SWITCHES = (
+    "managed_gradient_accumulation",
+    "disable_allgather",
+    "dump_state",
+    "graph_harvesting",
+    "use_data_before_expert_parallelism",
+)
+_PIPELINE_DEFAULTS = {
+    "stages": "auto",
+    "partition": "best",
+    "seed_layers": False,
+    "activation_checkpoint_interval": 0,
+    "pipe_partitioned": True,
+    "grad_partitioned": True,
+}
+
+OUT_OF_SCOPE: tuple[Feature, ...] = (
+    Feature("pipeline parallelism", "pipeline", "changed", defaults=_PIPELINE_DEFAULTS),
+    Feature("tensor parallelism (AutoTP)", "tensor_parallel", "changed"),
+    Feature("the FLOPs profiler", "flops_profiler", "enabled"),
+    Feature("ZeRO++", "zero_optimization", "changed", _ZERO_PLUS_PLUS),
+    Feature("MiCS", "zero_optimization", "changed", ("mics_shard_size", "mics_hierarchical_params_gather")),
+    Feature("ZenFlow", "zero_optimization.zenflow", "present"),
+    Feature("SuperOffload", "zero_optimization.offload_optimizer", "changed", ("super_offload",)),
+    Feature("DeepSpeed-internal ZeRO switches", "zero_optimization", "changed", _ZERO_INTERNALS),
+    Feature("sparse attention", "sparse_attention", "present"),
+    Feature("compression training", "compression_training", "custom"),
+    Feature("quantize-aware training (MoQ)", "quantize_training", "enabled"),
+    Feature("inference weight quantization", "weight_quantization", "present"),
+    Feature("DeepSpeed activation checkpointing", "activation_checkpointing", "changed"),
+    Feature("eigenvalue computation", "eigenvalue", "enabled"),
+    Feature("progressive layer drop", "progressive_layer_drop", "enabled"),
+    Feature("curriculum learning", "curriculum_learning", "enabled"),
+    Feature("the data efficiency library", "data_efficiency", "enabled"),
+    Feature("elastic training", "elasticity", "enabled"),
+    Feature("the autotuner", "autotuning", "enabled"),
+    Feature("Apex AMP", "amp", "enabled"),
+    Feature("torch.autocast", "torch_autocast", "enabled"),
+    Feature("DeepSpeed compile", "compile", "changed"),
+    Feature("sequence parallelism", "", "custom"),
+    Feature("expert parallelism (AutoEP)", "expert_parallel", "enabled"),
+    Feature("the hybrid engine", "hybrid_engine", "enabled"),
+    Feature("Nebula checkpointing", "nebula", "enabled"),
+    Feature("DataStates checkpointing", "datastates_ckpt", "present"),
+    Feature("DeepSpeed engine switches", "", "changed", _ENGINE_SWITCHES),
+)
+"""Every DeepSpeed feature zeroshard does not implement, and when a config turns it on; one warning per
+feature turned on names its settings (see [Note: out-of-scope features] in checks.py)."""
+
+_FP32_STATE = (
+    "zeroshard keeps the master weights, the gradients they are stepped with and the optimizer state in fp32"
+)
+
+NO_EFFECT: tuple[tuple[str, Any, str], ...] = (
+    (
+        "gradient_allreduce_op",
+        "sum",
+        'zeroshard always averages gradients over the data-parallel ranks, as "mean" (the default) does',
+    ),
+    ("sparse_gradients", True, "zeroshard reduces every gradient as a dense tensor"),
+    ("fp16.fp16_master_weights_and_grads", True, _FP32_STATE),
+    ("bf16.bf16_master_weights_and_grads", True, _FP32_STATE),
+    ("bf16.bf16_optimizer_states", True, _FP32_STATE),
+    (
+        "memory_breakdown",
+        True,
+        "zeroshard does not log allocator memory; the steps_per_print line and engine.memory_breakdown() "
+        "report this rank's parameter, gradient, optimizer-state and buffer bytes",
+    ),
+)
+"""In-scope settings zeroshard does not act on: (dotted key, the value that warns, what zeroshard does
+instead). See [Note: settings without effect] in checks.py."""
