@@ -128,11 +128,12 @@ def resolve_config_source(config: Any, config_params: Any, args: Any) -> ConfigS
             "or --deepspeed_config <path> on the command line (see add_config_arguments)"
         )
     first_name, first = given[0]
+    chosen: dict[str, Any] | str | os.PathLike[str] = first
     different = [name for name, value in given[1:] if not _same(first, value)]
     if different:
         names = ", ".join([first_name, *different])
         raise ValueError(f"config given more than once ({names}); keep exactly one of them")
-    return first
+    return chosen
 
 
 MAX_DEPTH = 32
