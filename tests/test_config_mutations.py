@@ -273,12 +273,21 @@ def test_base_configs_are_many_and_mostly_accepted(tmp_path: Path, monkeypatch: 
     assert accepted >= len(BASES) - 2  # hf_trainer_auto_z3 needs a client optimizer for its "auto" params
 
 
+@pytest.fixture
+def quiet_logger() -> Iterator[None]:
+    """zeroshard's warnings silenced for one test, its level restored after (later tests read them)."""
+    logger = logging.getLogger("zeroshard")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    yield
+    logger.setLevel(level)
+
+
 def test_check_config_and_initialize_agree_on_mutated_configs(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, quiet_logger: None
 ) -> None:
     monkeypatch.chdir(tmp_path)  # monitors' output paths are relative
     monkeypatch.setenv("WANDB_MODE", "disabled")
-    logging.getLogger("zeroshard").setLevel(logging.ERROR)
     rng = random.Random(SEED)
     bases = []
     for base in BASES:

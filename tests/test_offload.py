@@ -231,7 +231,7 @@ def test_start_up_errors_name_the_key_and_the_numbers(tmp_path: Any, monkeypatch
         zeroshard.initialize(model=make_model(), config=no_path)
     no_optimizer = _nvme_config(str(tmp_path))
     del no_optimizer["optimizer"]
-    with pytest.raises(ValueError, match=r"offload_optimizer\.device 'nvme' needs an optimizer"):
+    with pytest.raises(ValueError, match=r"offload_optimizer\.device: \"nvme\" needs an optimizer"):
         zeroshard.initialize(model=make_model(), config=no_optimizer)
     import zeroshard.offload.swapfile as swapfile
 
