@@ -17,7 +17,7 @@ Invariants:
   memory and the buffer is simply dropped to the allocator.
 * The pool's footprint, idle plus handed out, stays within the high-water mark (the most bytes ever handed
   out at one time) plus ``spare_bytes``: idle buffers fill the room that the step's own peak of live
-  buffers leaves, plus a little (the engine sets two of its largest units), never more. The oldest idle
+  buffers leaves, plus a little (the engine sets one of its largest units), never more. The oldest idle
   buffers are freed first when room is needed. So the pool adds at most ``spare_bytes`` to the process's
   peak, and a training step, which repeats the same requests every step, finds every buffer idle after
   the first steps: no page faults, no unmapping, across steps too (nothing is trimmed between steps; the
@@ -45,6 +45,17 @@ def _storage_users(tensor: torch.Tensor) -> int:
 # What the count reads for a tensor that is its storage's only user (the temporary Python storage object
 # taken to read it may count too, depending on the torch version).
 _SOLE_USER = _storage_users(torch.empty(1))
+
+
+def owns_whole_storage(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is contiguous, spans its whole storage and is that storage's only user: it can then
+    serve as a buffer of its own without a copy (nothing else sees its writes)."""
+    return (
+        tensor.is_contiguous()
+        and tensor.storage_offset() == 0
+        and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+        and _storage_users(tensor) == _SOLE_USER
+    )
 
 
 def _first(buffer: torch.Tensor, numel: int) -> torch.Tensor:
