@@ -4,11 +4,12 @@
 
 For the large GPT of each results file (any world size): the estimate (``zeroshard.estimate.estimate_memory``,
 fp32, with the largest layer, which stage 3 gathers), the model state ``engine.memory_breakdown().total``
-measured from the tensors the engine holds (the gradient buckets in flight included), and the resident memory
-that model state occupies after the last step: RSS above the pre-model baseline less the pooled idle buffers
-(``cached_buffers``). The last column is the framework's own memory on top (interpreter objects, gloo, code
-pages touched by ``initialize``): the same for DDP, whose RSS after its steps less its model state is given
-in the header line. Prints a markdown table; "within" is |breakdown / estimate - 1|.
+measured from the tensors the engine holds (with the peak of the transient gradient buckets), and what is
+resident after the last step: RSS above the pre-model baseline less the pooled idle buffers
+(``cached_buffers``), beside the model state kept between steps (``total`` less the bucket peak, where the
+results record it). Their difference is the framework's own memory (interpreter objects, gloo, code pages
+touched by ``initialize``), which DDP has too: its RSS after its steps less its model state is printed
+below the table. "within" is |breakdown / estimate - 1|.
 """
 
 from __future__ import annotations
@@ -49,9 +50,12 @@ def rows(doc: dict[str, Any]) -> list[str]:
         e = est.row(stage).per_gpu
         state = r["model_state_bytes"]
         resident = r["rss_after_steps_above_baseline_bytes"] - (r["cached_buffer_bytes"] or 0)
+        buckets = r.get("communication_buffer_bytes")  # absent from results written before it was recorded
+        kept = "–" if buckets is None else f"{(state - buckets) / MIB:.0f}"
+        own = "–" if buckets is None else f"{(resident - state + buckets) / MIB:+.0f}"
         out.append(
             f"| {w} | {name} | {e / MIB:.0f} | {state / MIB:.0f} | {abs(state / e - 1) * 100:.1f} % | "
-            f"{resident / MIB:.0f} | {(resident - state) / MIB:+.0f} |"
+            f"{kept} | {resident / MIB:.0f} | {own} |"
         )
     return out
 
@@ -61,10 +65,10 @@ def main() -> None:
     parser.add_argument("results", nargs="+", type=Path, help="bench/peers.py JSON files with a large size")
     args = parser.parse_args()
     print(
-        "| W | system | estimate (MiB) | memory_breakdown().total (MiB) | within | RSS after the steps less "
-        "pooled idle buffers (MiB) | framework's own (MiB) |"
+        "| W | system | estimate (MiB) | memory_breakdown().total (MiB) | within | kept between steps (MiB) "
+        "| RSS after the steps less pooled idle buffers (MiB) | framework's own (MiB) |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     notes = []
     for path in args.results:
         first, *table = rows(json.loads(path.read_text()))

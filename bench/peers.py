@@ -288,10 +288,11 @@ def worker(rank: int, spec: dict[str, Any]) -> dict[str, Any]:
         t0 = time.perf_counter()
         losses.append(step(i))
         times.append(time.perf_counter() - t0)
-    offloaded = cached = None
+    offloaded = cached = buckets = None
     if system.runner == "zeroshard":
         breakdown = engine.memory_breakdown()
         state, offloaded, cached = breakdown.total, breakdown.offloaded, breakdown.cached_buffers
+        buckets = breakdown.communication_buffers  # the peak of the transient gradient buckets
         comm = (engine.comm.stats.total_bytes - bytes0) / spec["steps"]
     else:
         if system.runner == "deepspeed":
@@ -312,6 +313,7 @@ def worker(rank: int, spec: dict[str, Any]) -> dict[str, Any]:
         "peak_rss_above_baseline_bytes": peak,
         "rss_after_steps_above_baseline_bytes": after,
         "cached_buffer_bytes": cached,
+        "communication_buffer_bytes": buckets,
         "init_s": init_s,
         "run_s": time.perf_counter() - t_start,
     }
