@@ -71,8 +71,9 @@ def _zero(bucket: torch.Tensor, runs: list[tuple[int, int, int]]) -> None:
 class GradientReducer:
     """Owns the gradient hooks and the reduction schedule of a list of units.
 
-    ``bucket_elements`` (``reduce_bucket_size``) bounds how many elements of consecutive units' transient
-    buckets are reduced in one collective ([Note: coalesced reduction]), and so does the largest unit.
+    ``bucket_elements`` (``reduce_bucket_size``, at most ``units.MAX_UNIT_ELEMENTS``: ``build.initialize``)
+    bounds how many elements of consecutive units' transient buckets are reduced in one collective ([Note:
+    coalesced reduction]), and so does the largest unit.
 
     Collective: :meth:`finish_backward` must be called on all ranks.
     """
