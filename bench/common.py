@@ -1,8 +1,9 @@
 """Pieces shared by the benchmarks: environment, the GPT, synthetic data, RSS and the process pair.
 
-Importing this module sets ``OMP_NUM_THREADS=1`` and ``MALLOC_MMAP_THRESHOLD_`` (before torch is imported) so
-that every spawned child inherits them, and puts the repository and ``examples/`` on ``sys.path``. It imports
-neither zeroshard nor DeepSpeed, so both the dev venv and the peers' venv can use it.
+Importing this module sets ``OMP_NUM_THREADS=1`` and ``MALLOC_MMAP_THRESHOLD_`` (before torch is imported; not
+with ``ZEROSHARD_BENCH_GLIBC_DEFAULTS=1``) so that every spawned child inherits them, and puts the repository
+and ``examples/`` on ``sys.path``. It imports neither zeroshard nor DeepSpeed, so both the dev venv and the
+peers' venv can use it.
 """
 
 from __future__ import annotations
@@ -23,8 +24,10 @@ from typing import Any
 # One intra-op thread per process: two ranks on two cores.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # glibc would otherwise keep freed large blocks in its heap and peak RSS would measure the allocator; the
-# same setting PEERS.md's RSS ratios were taken with.
-os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
+# same setting PEERS.md's RSS ratios were taken with. ZEROSHARD_BENCH_GLIBC_DEFAULTS=1 leaves glibc's own
+# (dynamic) threshold, to show what the allocator holds (docs/benchmarks.md, memory by stage).
+if os.environ.get("ZEROSHARD_BENCH_GLIBC_DEFAULTS") != "1":
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
 
 import psutil
 import torch
@@ -36,7 +39,9 @@ for _p in (str(ROOT), str(ROOT / "examples")):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-WORLD_SIZE = 2
+# Ranks per run: two (one per core) unless ZEROSHARD_BENCH_WORLD_SIZE says otherwise; ranks
+# inherit it.
+WORLD_SIZE = int(os.environ.get("ZEROSHARD_BENCH_WORLD_SIZE", "2"))
 LR = 1e-3
 WEIGHT_DECAY = 0.01
 CLIP = 1.0
@@ -140,7 +145,8 @@ def reachable_tensor_bytes(roots: list[Any]) -> int:
 
 
 def join_group(rank: int, init_file: str) -> None:
-    """Join the two-rank gloo group through the ``file://`` rendezvous ``init_file``, one thread per rank."""
+    """Join the ``WORLD_SIZE``-rank gloo group through the ``file://`` rendezvous ``init_file``, one thread
+    per rank."""
     torch.set_num_threads(1)
     for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         os.environ.pop(key, None)  # join through the file rendezvous, not a launcher's env
@@ -171,7 +177,8 @@ def _entry(rank: int, init_file: str, worker: Callable[..., Any], spec: dict[str
 def run_pair(
     worker: Callable[[int, dict[str, Any]], Any], spec: dict[str, Any], timeout: float = 900
 ) -> list[list[Any]]:
-    """Run ``worker(rank, run)`` for each of ``spec["runs"]`` on two spawned ranks; per rank, the results.
+    """Run ``worker(rank, run)`` for each of ``spec["runs"]`` on ``WORLD_SIZE`` spawned ranks; per rank, the
+    results.
 
     ``worker`` must be a module-level function (it is pickled by reference into the spawned children).
     A failing rank's traceback is re-raised here, prefixed with its rank.
@@ -213,7 +220,7 @@ def run_pair(
 def rank_main(worker: Callable[[int, dict[str, Any]], Any], rank: int, spec_file: str, out_file: str) -> None:
     """One rank of :func:`run_ranks`: join the group, run ``worker(rank, run)`` per run, write the results.
 
-    Collective: both ranks run it. The rendezvous file lies beside ``spec_file``.
+    Collective: every rank runs it. The rendezvous file lies beside ``spec_file``.
     """
     spec = json.loads(Path(spec_file).read_text())
     join_group(rank, str(Path(spec_file).parent / "rendezvous"))
@@ -228,7 +235,7 @@ def rank_main(worker: Callable[[int, dict[str, Any]], Any], rank: int, spec_file
 def run_ranks(
     python: str, script: str, spec: dict[str, Any], timeout: float, env: dict[str, str] | None = None
 ) -> list[list[Any]]:
-    """Run ``python script --rank R SPEC OUT`` for both ranks; per rank, the results ``rank_main`` wrote.
+    """Run ``python script --rank R SPEC OUT`` for every rank; per rank, the results ``rank_main`` wrote.
 
     One fresh interpreter per rank, started straight from this process: no launcher interpreter and no
     ``spawn`` in between, so a run costs one interpreter start-up, and either venv's interpreter can be used.

@@ -5,16 +5,18 @@
     .venv/bin/python bench/peers.py --large-offload # also the offload rows at the large size (~5 min more)
     .venv/bin/python bench/peers.py --quick         # tiny, 3 steps, torch peers + zeroshard (smoke test)
 
-Systems, at W=2 on gloo/CPU, fp32 AdamW (lr 1e-3, wd 0.01), gradient clipping 1.0: PyTorch DDP, torch
-``ZeroRedundancyOptimizer`` (stage-1 peer), FSDP2 ``fully_shard`` with ``reshard_after_forward=False``
-(stage-2 peer) and with resharding (stage-3 peer), zeroshard stages 0-3 and its NVMe offload (stage 2 with the
-optimizer on NVMe, stage 3 with optimizer and parameters on NVMe), DeepSpeed stages 0-3 and its optimizer
-offload to CPU (stages 2 and 3, ``DeepSpeedCPUAdam``) and to NVMe (stage 3), run by the interpreter of
-``bench/.venv-peers`` with ``DS_ACCELERATOR=cpu`` when that venv exists. The offload rows run at the small
-size only unless ``--large-offload``. Before the runs, that interpreter loads (building on first use, timed)
-the DeepSpeed ops the offload rows need; a row whose op cannot load here is reported as "did not run" with
-the reason, and so is a run that fails (the command then exits non-zero after writing everything). NVMe
-files go to a temporary directory under ``$ZEROSHARD_BENCH_NVME`` (default: the system's temp dir).
+Systems, at W=2 (``ZEROSHARD_BENCH_WORLD_SIZE=4`` for four ranks) on gloo/CPU, fp32 AdamW (lr 1e-3, wd 0.01),
+gradient clipping 1.0: PyTorch DDP, torch ``ZeroRedundancyOptimizer`` (stage-1 peer), FSDP2 ``fully_shard``
+with ``reshard_after_forward=False`` (stage-2 peer) and with resharding (stage-3 peer), zeroshard stages 0-3
+(stage 3 also ``-lean``, see ``lean_stage3``) and its NVMe offload (stage 2 with the optimizer on NVMe, stage
+3 with optimizer and parameters on NVMe), DeepSpeed stages 0-3 and its optimizer offload to CPU (stages 2 and
+3, ``DeepSpeedCPUAdam``) and to NVMe (stage 3), and stage 3 ``-lean``, run by the interpreter of
+``bench/.venv-peers`` (or ``--deepspeed-python``) with ``DS_ACCELERATOR=cpu`` when it exists. The offload rows
+run at the small size only unless ``--large-offload``. Before the runs, that interpreter loads (building on
+first use, timed) the DeepSpeed ops the offload rows need; a row whose op cannot load here is reported as "did
+not run" with the reason, and so is a run that fails (the command then exits non-zero after writing
+everything). NVMe files go to a temporary directory under ``$ZEROSHARD_BENCH_NVME`` (default: the system's
+temp dir).
 
 Every (round, system) is a fresh pair of interpreters, one per rank; systems are interleaved (A B C A B C
 ...) and every figure is also given as a ratio to DDP of the same round. Raw results:
@@ -114,6 +116,8 @@ class System:
     to NVMe, ``nvme-opt-param`` the optimizer and the parameter shards to NVMe."""
     comm_4n: float = 0.0
     """Peers only: bytes one rank moves per step, in units of 4N, by formula (zeroshard's are measured)."""
+    lean: bool = False
+    """Stage 3 with the memory-lean settings of ``LEAN_STAGE3`` instead of DeepSpeed's defaults."""
 
     @property
     def family(self) -> str:
@@ -141,6 +145,7 @@ class System:
             "offload": self.offload,
             "family": self.family,
             "comm_4n": self.comm_4n,
+            "lean": self.lean,
             "in_memory_bytes_per_param": self.in_memory_bytes_per_param(),
         }
 
@@ -156,7 +161,9 @@ SYSTEMS: dict[str, System] = {
     "zeroshard-stage2-nvme-opt": System(2, "zeroshard", "nvme-opt"),
     "zeroshard-stage3-nvme-opt-param": System(3, "zeroshard", "nvme-opt-param"),
     # stages 0-2: all-reduce, or reduce-scatter + all-gather; stage 3 gathers in backward again
+    "zeroshard-stage3-lean": System(3, "zeroshard", lean=True),
     **{f"deepspeed-stage{s}": System(s, "deepspeed", comm_4n=2 if s < 3 else 3) for s in range(4)},
+    "deepspeed-stage3-lean": System(3, "deepspeed", comm_4n=3, lean=True),
     "deepspeed-stage2-cpu-opt": System(2, "deepspeed", "cpu-opt", 2),
     "deepspeed-stage3-cpu-opt": System(3, "deepspeed", "cpu-opt", 3),
     "deepspeed-stage3-nvme-opt": System(3, "deepspeed", "nvme-opt", 3),
@@ -281,16 +288,18 @@ def worker(rank: int, spec: dict[str, Any]) -> dict[str, Any]:
         t0 = time.perf_counter()
         losses.append(step(i))
         times.append(time.perf_counter() - t0)
-    offloaded = None
+    offloaded = cached = buckets = None
     if system.runner == "zeroshard":
         breakdown = engine.memory_breakdown()
-        state, offloaded = breakdown.total, breakdown.offloaded
+        state, offloaded, cached = breakdown.total, breakdown.offloaded, breakdown.cached_buffers
+        buckets = breakdown.communication_buffers  # the peak of the transient gradient buckets
         comm = (engine.comm.stats.total_bytes - bytes0) / spec["steps"]
     else:
         if system.runner == "deepspeed":
             state = reachable_tensor_bytes([list(model.parameters()), engine.optimizer])
         comm = None
     peak = peak_rss() - baseline
+    after = rss() - baseline  # between steps: model state, idle pooled buffers, the framework's own
     if system.runner == "zeroshard":
         engine.destroy()  # closes and removes its NVMe files (--quick runs every system in one process)
     return {
@@ -302,9 +311,21 @@ def worker(rank: int, spec: dict[str, Any]) -> dict[str, Any]:
         "comm_bytes_per_step_measured": comm,
         "rss_baseline_bytes": baseline,
         "peak_rss_above_baseline_bytes": peak,
+        "rss_after_steps_above_baseline_bytes": after,
+        "cached_buffer_bytes": cached,
+        "communication_buffer_bytes": buckets,
         "init_s": init_s,
         "run_s": time.perf_counter() - t_start,
     }
+
+
+def lean_stage3(model: dict[str, Any]) -> dict[str, Any]:
+    """The ``-lean`` rows' stage-3 settings: release every unit after its forward
+    (``stage3_max_reuse_distance`` 0: DeepSpeed's default, 1e9, keeps every unit of a model under 1e9
+    parameters gathered from its forward to its backward) and prefetch one unit ahead (the Hugging Face
+    integration's ``auto``, 0.9 x width**2), as FSDP2 with resharding reshards after forward and prefetches
+    one module."""
+    return {"stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": int(0.9 * model["n_embd"] ** 2)}
 
 
 def zero_block(name: str, size: dict[str, Any], nvme_dir: str) -> dict[str, Any]:
@@ -313,6 +334,8 @@ def zero_block(name: str, size: dict[str, Any], nvme_dir: str) -> dict[str, Any]
     width-by-width matrices, so that both step (and swap) the optimizer state in pieces, not in one."""
     system = SYSTEMS[name]
     zero: dict[str, Any] = {"stage": system.stage}
+    if system.lean:
+        zero.update(lean_stage3(size["model"]))
     if system.offload:
         zero["sub_group_size"] = 4 * size["model"]["n_embd"] ** 2
         device = "cpu" if system.offload == "cpu-opt" else "nvme"
@@ -559,6 +582,11 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--only", nargs="+", help="run only these systems (ddp is always included)")
     parser.add_argument("--no-deepspeed", action="store_true", help="leave DeepSpeed out")
+    parser.add_argument(
+        "--deepspeed-python",
+        type=Path,
+        help=f"interpreter with DeepSpeed and the same torch for the DeepSpeed rows (default {PEERS_PY})",
+    )
     parser.add_argument("--out", type=Path, help="JSON output (default bench/results/peers[_quick].json)")
     parser.add_argument("--no-docs", action="store_true", help="do not regenerate docs/benchmarks.md")
     parser.add_argument(
@@ -572,8 +600,11 @@ def parse_args() -> argparse.Namespace:
 
 
 def main() -> None:
+    global PEERS_PY
     started = time.time()
     args = parse_args()
+    if args.deepspeed_python:
+        PEERS_PY = args.deepspeed_python
     if args.rank:  # one rank of a run (``common.run_ranks``)
         rank_main(worker, int(args.rank[0]), args.rank[1], args.rank[2])
         return

@@ -18,7 +18,7 @@ import report  # noqa: E402  (bench/ is not a package)
 EXPECTED = (
     ["ddp", "torch-zero1", "fsdp2-noreshard", "fsdp2"]
     + [f"zeroshard-stage{s}" for s in range(4)]
-    + ["zeroshard-stage2-nvme-opt", "zeroshard-stage3-nvme-opt-param"]
+    + ["zeroshard-stage3-lean", "zeroshard-stage2-nvme-opt", "zeroshard-stage3-nvme-opt-param"]
 )
 NVME = ["zeroshard-stage2-nvme-opt", "zeroshard-stage3-nvme-opt-param"]
 
@@ -108,3 +108,37 @@ def test_step_time_quick(tmp_path: Path) -> None:
     calls = summary["zeroshard-stage2"]["comm_calls_per_step_by_op"]
     assert calls == {"reduce_scatter": 1, "all_gather": 1, "control": 1}, calls
     assert result["table_markdown"].count("\n") == 1 + len(summary)
+
+
+PROFILE_ARGS = ("--stage", "3", "--lean", "--quick", "--steps", "2")
+
+
+def test_activation_memory_and_memory_profile_quick(tmp_path: Path) -> None:
+    """bench/activation_memory.py and bench/memory_profile.py --quick run and write their figures."""
+    out = tmp_path / "activation.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "activation_memory.py"), "--quick", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["seq_len"], r["checkpointing"]) for r in rows] == [
+        (32, False),
+        (32, True),
+        (64, False),
+        (64, True),
+    ]
+    assert all(r["peak_gathered_bytes"] > 0 and r["model_state_bytes"] > 0 for r in rows)
+    out = tmp_path / "profile.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "memory_profile.py"), *PROFILE_ARGS, "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    rank0 = json.loads(out.read_text())["per_rank"][0][0]
+    assert [p["phase"] for p in rank0["phases"]][-3:] == ["1 forward", "1 backward", "1 step"]
+    assert rank0["breakdown"]["total"] > 0

@@ -230,3 +230,64 @@ def test_one_step_needs_one_control_collective() -> None:
     for stage, precision, calls, steps in run_distributed(_control_calls, 2)[0]:
         assert calls == 1, (stage, precision, calls)
         assert steps == 2
+
+
+class _Tied(nn.Module):
+    """A one-parameter unit without padding (the 64 x 64 table, tied to the head, as a GPT's embedding) among
+    small padded ones."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.table = nn.Embedding(64, 64)
+        self.mid = nn.Linear(64, 7)
+        self.out = nn.Linear(7, 64, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.mid(self.table(idx)))
+        return (self.out(h) @ self.table.weight.t()).logsumexp(-1).mean()
+
+
+def _adopted_vs_copied(rank: int, world_size: int) -> list[tuple[int, int, list[list[float]]]]:
+    from zeroshard.core.grad_sync import GradientReducer
+
+    out = []
+    for stage in (2, 3):
+        for adopt in (True, False):
+            model = _Tied()
+            zero = {"stage": stage, "reduce_bucket_size": 1000, "stage3_param_persistence_threshold": 0}
+            config = {
+                "train_micro_batch_size_per_gpu": 4,
+                "gradient_accumulation_steps": 2,
+                "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+                "zero_optimization": zero,
+            }
+            engine, *_ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=config)
+            adopted = [0]
+            real = engine.reducer._adopt_as_bucket
+
+            def spy(*args: Any, real: Any = real, adopt: bool = adopt, adopted: list[int] = adopted) -> bool:
+                took = adopt and real(*args)
+                adopted[0] += took
+                return took
+
+            engine.reducer._adopt_as_bucket = spy  # type: ignore[method-assign]
+            assert isinstance(engine.reducer, GradientReducer)
+            g = torch.Generator().manual_seed(rank)
+            for _ in range(4):  # micro-steps: two optimizer steps
+                loss = engine(torch.randint(64, (4, 5), generator=g))
+                engine.backward(loss)
+                engine.step()
+            out.append((stage, adopted[0], [u.master.tolist() for u in engine.units]))  # plain: to the parent
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_a_one_parameter_unit_reduces_autograds_gradient_without_a_bucket() -> None:
+    """The embedding-like unit's gradient is reduce-scattered as autograd produced it (no bucket beside it),
+    and training is bitwise the same as with the copy into a bucket, at stages 2 and 3 with GAS 2."""
+    for rank, results in enumerate(run_distributed(_adopted_vs_copied, 2)):
+        for k in (0, 2):
+            (stage, took, masters), (_, none, copied) = results[k], results[k + 1]
+            assert took == 4 and none == 0, (rank, stage, took, none)  # every backward: 4 micro-steps
+            assert masters == copied, (rank, stage)

@@ -20,7 +20,7 @@ Invariants:
   as soon as its last user lets go. Buffers the pool did not hand out are never kept.
 * The pool's footprint, given back plus handed out, stays within the high-water mark (the most bytes ever
   handed out at one time) plus ``spare_bytes``: idle buffers fill the room that the step's own peak of live
-  buffers leaves, plus a little (the engine sets two of its largest units), never more. The oldest idle
+  buffers leaves, plus a little (the engine sets one of its largest units), never more. The oldest idle
   buffers are freed first when room is needed. So the pool adds at most ``spare_bytes`` to the process's
   peak, and a training step, which repeats the same requests every step, finds every buffer idle after
   the first steps: no page faults, no unmapping, across steps too (nothing is trimmed between steps; the

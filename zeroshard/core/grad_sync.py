@@ -13,7 +13,9 @@ parameter's unit and drops ``param.grad``, so autograd's full-size gradients nev
   rank's slice is added into its ``unit.grad_shard`` (fp32 accumulation over micro-steps), and the bucket
   is dropped. The bucket is laid out rank by rank so that one collective serves the whole group
   (layout.py, [Note: coalesced reduction]); a unit larger than the bucket size is a group of its own, and
-  stage 2's units are already bucket-sized, so there each group is one unit. At stage 3 a unit's
+  stage 2's units are already bucket-sized, so there each group is one unit. A group that is exactly one
+  parameter without padding (a large embedding) takes autograd's gradient itself as its bucket when nothing
+  else holds it: no bucket beside a gradient of the same size, no copy. At stage 3 a unit's
   parameters are released as soon as its gradients are in the bucket, not when the bucket is reduced.
 
 Collectives must be issued in the same order on every rank even though gradients may become ready in a
@@ -66,11 +68,26 @@ def _zero(bucket: torch.Tensor, runs: list[tuple[int, int, int]]) -> None:
         bucket[start : start + numel].zero_()
 
 
+def _spans_its_storage(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is contiguous and is the whole of its storage (not a view into a larger tensor).
+
+    A gradient handed to a post-accumulate hook that passes this is the parameter's own: autograd's
+    AccumulateGrad copies an incoming gradient that anything else still references, so the reducer may read
+    it as its bucket (it only reads it: see ``_adopt_as_bucket``).
+    """
+    return (
+        tensor.is_contiguous()
+        and tensor.storage_offset() == 0
+        and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+    )
+
+
 class GradientReducer:
     """Owns the gradient hooks and the reduction schedule of a list of units.
 
-    ``bucket_elements`` (``reduce_bucket_size``) bounds how many elements of consecutive units' transient
-    buckets are reduced in one collective ([Note: coalesced reduction]), and so does the largest unit.
+    ``bucket_elements`` (``reduce_bucket_size``, at most ``units.MAX_UNIT_ELEMENTS``: ``build.initialize``)
+    bounds how many elements of consecutive units' transient buckets are reduced in one collective ([Note:
+    coalesced reduction]), and so does the largest unit.
 
     Collective: :meth:`finish_backward` must be called on all ranks.
     """
@@ -116,6 +133,7 @@ class GradientReducer:
         self._handed = [False] * len(self.units)  # on_reduced called in this backward
         self._next = 0
         self._buckets: dict[int, torch.Tensor] = {}  # per group
+        self._adopted: set[int] = set()  # groups whose bucket is autograd's gradient, not the pool's
         self._filled: dict[int, list[int]] = {}  # per unit, the parameters written into its group's bucket
         # Reductions launched and not yet waited for: (the marker that completes once every rank has
         # launched it, pending, what to do when done, bucket bytes held); see [Note: bounded reductions].
@@ -154,7 +172,7 @@ class GradientReducer:
             if grad is None or not self._in_backward:
                 return  # a backward this engine did not start: the gradient stays in .grad, as in PyTorch
             param.grad = None
-            self._accumulate(unit, i, grad)
+            self._accumulate(unit, i, grad, adoptable=True)  # nothing but autograd's hook saw it
 
         return hook
 
@@ -202,22 +220,27 @@ class GradientReducer:
                 unit.grad_reduced = False
         self._window_reduced = False
 
-    def _accumulate(self, unit: FlatUnit, i: int, grad: torch.Tensor) -> None:
-        flat = grad.reshape(-1)
+    def _accumulate(self, unit: FlatUnit, i: int, grad: torch.Tensor, adoptable: bool = False) -> None:
+        """Add parameter ``i``'s gradient into ``unit``'s accumulator or its group's bucket; with
+        ``adoptable`` (no one else can hold ``grad``) it may become the bucket itself (_adopt_as_bucket)."""
         g = self._group_of[unit.index]
         if unit.keeps_full_grad:
             lo, hi = unit.param_range(i)
-            unit.kept_grad()[lo:hi].add_(flat)
+            unit.kept_grad()[lo:hi].add_(grad.reshape(-1))
         else:
             group = self.groups[g]
             bucket = self._buckets.get(g)
-            if bucket is None:
-                bucket = self._new_bucket(group)
-                self._buckets[g] = bucket
-                self._track_bucket_bytes()
-            for start, offset, numel in self._runs[unit.index][i]:
-                bucket[start : start + numel].copy_(flat[offset : offset + numel])
-            self._filled[unit.index].append(i)
+            if bucket is None and adoptable and self._adopt_as_bucket(group, unit, i, grad):
+                self._filled[unit.index] = [i]
+            else:
+                if bucket is None:
+                    bucket = self._new_bucket(group)
+                    self._buckets[g] = bucket
+                    self._track_bucket_bytes()
+                flat = grad.reshape(-1)
+                for start, offset, numel in self._runs[unit.index][i]:
+                    bucket[start : start + numel].copy_(flat[offset : offset + numel])
+                self._filled[unit.index].append(i)
         unit.has_grad[i] = True
         self.needs_reduction = True
         self._arrived[unit.index] += 1
@@ -228,6 +251,23 @@ class GradientReducer:
 
     def comm_dtype(self, unit: FlatUnit) -> torch.dtype:
         return unit.policy.reduce
+
+    def _adopt_as_bucket(self, group: ReductionGroup, unit: FlatUnit, i: int, grad: torch.Tensor) -> bool:
+        """Take autograd's gradient itself as the bucket of a group that is exactly this one parameter (a
+        unit of one unpadded parameter, e.g. a large embedding): no bucket beside the gradient, no copy."""
+        n = grad.numel()
+        if len(group.units) != 1 or len(unit.params) != 1 or group.layout.padded != n:
+            return False
+        if self._runs[unit.index][i] != [(0, 0, n)] or grad.dtype != self.comm_dtype(unit):
+            return False
+        if grad.device != unit.device or not _spans_its_storage(grad):
+            return False  # a view of a larger tensor: copy it into a bucket instead
+        if self.averaging.before != 1.0:
+            return False  # prescaling writes into the bucket: never into a tensor autograd handed us
+        self._buckets[group.index] = grad.view(-1)
+        self._adopted.add(group.index)
+        self._track_bucket_bytes()
+        return True
 
     def _new_bucket(self, group: ReductionGroup) -> torch.Tensor:
         """A bucket for ``group`` (from the pool: contents arbitrary) whose padding is zero; the parameters'
@@ -338,7 +378,9 @@ class GradientReducer:
             out = self.pool.take(group.layout.chunk, reduce_dtype, full.device)
             pending = self.comm.reduce_scatter(out, full, what=what)
             accumulate = not group.keeps_full  # sharded gradients sum over micro-steps
-            pooled = None if group.keeps_full else full
+            adopted = group.index in self._adopted
+            self._adopted.discard(group.index)
+            pooled = None if group.keeps_full or adopted else full
             placed = list(zip(group.units, group.layout.offsets, strict=True))
 
             self._window_reduced = self._window_reduced or group.keeps_full
@@ -384,6 +426,7 @@ class GradientReducer:
         for unit in self.units:
             unit.zero_grad()
         self._buckets.clear()
+        self._adopted.clear()
         self._filled.clear()
         self.needs_reduction = False
         self._window_reduced = False
