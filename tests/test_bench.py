@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
@@ -23,6 +25,7 @@ EXPECTED = (
 NVME = ["zeroshard-stage2-nvme-opt", "zeroshard-stage3-nvme-opt-param"]
 
 
+@pytest.mark.integration
 def test_peers_quick(tmp_path: Path) -> None:
     out = tmp_path / "peers_quick.json"
     proc = subprocess.run(
@@ -78,6 +81,7 @@ def test_table_row_for_a_system_that_did_not_run() -> None:
     assert cells == [cells[0]] * 4, cells
 
 
+@pytest.mark.integration
 def test_step_time_quick(tmp_path: Path) -> None:
     """bench/step_time.py --quick end to end on the tiny MLP: rows for DDP and zeroshard stage 2, finite
     figures, and the step's scalar checks in one control collective. No timing assertions."""
