@@ -116,7 +116,17 @@ def test_step_time_quick(tmp_path: Path) -> None:
 
 def test_soak_summary_and_table() -> None:
     """bench/soak.py arithmetic on made-up samples: growth counts from the first sample after a save."""
-    import soak
+    # bench/soak.py imports bench/common.py as `common`; tests/ds_scripts has a `common` of its own, which
+    # test_deepspeed_compat puts in sys.modules when it is collected.
+    other = sys.modules.pop("common", None)
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import soak
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+        sys.modules.pop("common", None)
+        if other is not None:
+            sys.modules["common"] = other
 
     def samples(rss: list[int], fds: list[int]) -> dict[str, object]:
         rows = [
