@@ -2,7 +2,7 @@
 # creates (or reuses) the virtualenv .venv and installs the project into it.
 #
 #   make demo     train the example GPT with ZeRO stage 2 on 2 CPU processes (gloo)
-#   make test     run the test suite
+#   make test     run the test suite (make test-unit: without the integration tests)
 #   make lint     ruff check, ruff format --check, mypy zeroshard
 #   make help     everything else
 
@@ -36,6 +36,7 @@ help:
 	@echo "make demo-bf16     stage 2 in bf16 (examples/configs/zero2_bf16.json); demo-fp16 likewise"
 	@echo "make demo-nvme     stage 3, optimizer state and parameters offloaded to files in $(NVME_DIR)"
 	@echo "make test          pytest, with the 15 slowest tests' durations"
+	@echo "make test-unit     the same without tests marked integration (external libraries, launchers, scripts)"
 	@echo "make test-cuda     tests/test_cuda.py on a machine with a CUDA GPU (the CUDA paths)"
 	@echo "make lint          ruff check + ruff format --check + mypy zeroshard"
 	@echo "make format        ruff format + ruff check --fix"
@@ -79,6 +80,14 @@ demo-nvme: $(STAMP)
 test: $(STAMP)
 	@rc=0; CUDA_VISIBLE_DEVICES= $(PY) -m pytest --durations=15 $(PYTEST_ARGS) || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests"; rc=0; fi; \
+	exit $$rc
+
+# The unit suite: no test that drives transformers, accelerate, Lightning, DeepSpeed, torchrun or a bench/ script
+# end to end (marked `integration`, pyproject.toml); `make test` runs those too.
+.PHONY: test-unit
+test-unit: $(STAMP)
+	@rc=0; CUDA_VISIBLE_DEVICES= $(PY) -m pytest -m "not integration" --durations=15 $(PYTEST_ARGS) || rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test-unit: pytest collected no tests"; rc=0; fi; \
 	exit $$rc
 
 # On a machine with a CUDA GPU: NCCL, pinned CPU offload, 16-bit kernels (docs/benchmarks.md, "One GPU").

@@ -150,19 +150,16 @@ def worker(rank: int, world_size: int, cases: list[dict[str, Any]]) -> list[str]
     return out
 
 
-def test_torch_checkpoint_both_kinds_every_stage() -> None:
+def test_torch_and_hf_checkpointing_every_stage() -> None:
+    """One spawn for both: ``torch.utils.checkpoint`` of both kinds (and DeepSpeed's) around hand-written
+    blocks at every stage, and Hugging Face ``gradient_checkpointing_enable()`` on the tiny Llama."""
     cases = [
         {"kind": "blocks", "variant": reentrant, "stage": stage, "offload": False}
         for stage in (0, 1, 2, 3)
         for reentrant in (False, True, "deepspeed")
     ]
     cases += [{"kind": "blocks", "variant": r, "stage": 3, "offload": True} for r in (False, True)]
-    report = run_distributed(worker, WORLD, cases, timeout=380)[0]
-    assert len(report) == len(cases)
-
-
-def test_hf_gradient_checkpointing_llama() -> None:
-    cases = [{"kind": "llama", "variant": True, "stage": stage, "offload": False} for stage in (2, 3)]
+    cases += [{"kind": "llama", "variant": True, "stage": stage, "offload": False} for stage in (2, 3)]
     cases.append({"kind": "llama", "variant": True, "stage": 3, "offload": True})
     report = run_distributed(worker, WORLD, cases, timeout=380)[0]
     assert len(report) == len(cases)

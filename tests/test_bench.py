@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
@@ -23,6 +25,7 @@ EXPECTED = (
 NVME = ["zeroshard-stage2-nvme-opt", "zeroshard-stage3-nvme-opt-param"]
 
 
+@pytest.mark.integration
 def test_peers_quick(tmp_path: Path) -> None:
     out = tmp_path / "peers_quick.json"
     proc = subprocess.run(
@@ -78,6 +81,7 @@ def test_table_row_for_a_system_that_did_not_run() -> None:
     assert cells == [cells[0]] * 4, cells
 
 
+@pytest.mark.integration
 def test_step_time_quick(tmp_path: Path) -> None:
     """bench/step_time.py --quick end to end on the tiny MLP: rows for DDP and zeroshard stage 2, finite
     figures, and the step's scalar checks in one control collective. No timing assertions."""
@@ -113,6 +117,8 @@ def test_step_time_quick(tmp_path: Path) -> None:
 PROFILE_ARGS = ("--stage", "3", "--lean", "--quick", "--steps", "2")
 
 
+@pytest.mark.integration
+@pytest.mark.timeout(320)
 def test_activation_memory_and_memory_profile_quick(tmp_path: Path) -> None:
     """bench/activation_memory.py and bench/memory_profile.py --quick run and write their figures."""
     out = tmp_path / "activation.json"
@@ -142,3 +148,62 @@ def test_activation_memory_and_memory_profile_quick(tmp_path: Path) -> None:
     rank0 = json.loads(out.read_text())["per_rank"][0][0]
     assert [p["phase"] for p in rank0["phases"]][-3:] == ["1 forward", "1 backward", "1 step"]
     assert rank0["breakdown"]["total"] > 0
+
+
+def test_soak_summary_and_table() -> None:
+    """bench/soak.py arithmetic on made-up samples: growth counts from the first sample after a save."""
+    # bench/soak.py imports bench/common.py as `common`; tests/ds_scripts has a `common` of its own, which
+    # test_deepspeed_compat puts in sys.modules when it is collected.
+    other = sys.modules.pop("common", None)
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import soak
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+        sys.modules.pop("common", None)
+        if other is not None:
+            sys.modules["common"] = other
+
+    def samples(rss: list[int], fds: list[int]) -> dict[str, object]:
+        rows = [
+            {"step": 10 * i, "rss": r * soak.MIB, "fds": f, "threads": 4}
+            for i, (r, f) in enumerate(zip(rss, fds, strict=True))
+        ]
+        return {"samples": rows}
+
+    per_rank = [
+        samples([300, 320, 321, 320, 322], [15, 15, 16, 15, 15]),
+        samples([300, 310, 310, 310, 310], [9] * 5),
+    ]
+    summary = soak.summarize(per_rank)
+    assert summary["rank0"]["rss_growth_after_first_save_mib"] == 2.0
+    assert summary["rank0"]["rss_max_minus_min_after_first_save_mib"] == 2.0
+    assert summary["rank0"]["fds_range_after_first_save"] == [15, 16]
+    assert summary["rank1"]["rss_growth_after_first_save_mib"] == 0.0
+    assert summary["rank1"]["threads_range_after_first_save"] == [4, 4]
+    lines = soak.table(per_rank).splitlines()
+    assert len(lines) == 2 + 5 and lines[3] == "| 10 | 320.0 | 310.0 | 15 | 9 | 4 | 4 |"
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(120)
+def test_soak_quick(tmp_path: Path) -> None:
+    """bench/soak.py --quick end to end: 40 steps and 4 saves at W=2; keep_last leaves 2 tags; descriptors
+    and threads do not grow from save to save (an open file or a thread left behind per save would)."""
+    out = tmp_path / "soak_quick.json"
+    cmd = [sys.executable, str(ROOT / "bench" / "soak.py"), "--quick", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    doc = json.loads(out.read_text())
+    assert doc["settings"]["steps"] == 40 and doc["settings"]["save_every"] == 10
+    for rank in doc["ranks"]:
+        assert [s["step"] for s in rank["samples"]] == [0, 10, 20, 30, 40]
+        assert len(rank["kept_tags"]) == 2, rank["kept_tags"]
+        assert math.isfinite(rank["last_loss"]) and rank["last_loss"] < rank["first_loss"]
+    for name, row in doc["summary"].items():
+        assert row["fds_range_after_first_save"][0] == row["fds_range_after_first_save"][1], (name, row)
+        assert row["threads_range_after_first_save"][0] == row["threads_range_after_first_save"][1], (
+            name,
+            row,
+        )
+    assert doc["table_markdown"].count("\n") == 1 + 5

@@ -18,6 +18,7 @@ DEEPSPEED = "deepspeed-cpu-adam"
 HAS_PEERS = (ROOT / "bench" / ".venv-peers" / "bin" / "python").exists()
 
 
+@pytest.mark.integration
 # Generous: DeepSpeed builds its C++ op on the first run in a fresh cache (a minute or more); ~15 s after.
 @pytest.mark.timeout(300)
 def test_cpu_adam_quick(tmp_path: Path) -> None:

@@ -360,6 +360,7 @@ def _launch_node(rank: int, port: str) -> subprocess.Popen[str]:
     )
 
 
+@pytest.mark.integration
 def test_launch_one_node_and_two_nodes_train_the_same() -> None:
     (single,) = _finish([_launch(["--nproc-per-node", "2"])], timeout=240)
     assert "world size 2" in single

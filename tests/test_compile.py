@@ -40,14 +40,12 @@ def _data(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randint(0, 16, (2, 6), generator=g), torch.randint(0, 16, (2, 6), generator=g)
 
 
-def worker(rank: int, world_size: int) -> list[str]:
+def worker(rank: int, world_size: int, cases: list[tuple[int, str, str]]) -> list[str]:
     from torch._dynamo.utils import counters
 
     torch.manual_seed(0)
     ref = sgd_reference(Net(), lambda m, step, r: m(*_data(step, r)), STEPS, world_size)
     done = []
-    cases = [(stage, "torch.compile", "aot_eager") for stage in (0, 1, 2, 3)]
-    cases += [(3, "engine.compile", "inductor")]  # the default backend, with C++ codegen: the slow one
     for stage, how, backend in cases:
         torch._dynamo.reset()
         counters.clear()
@@ -83,4 +81,13 @@ def worker(rank: int, world_size: int) -> list[str]:
 
 
 def test_compiled_training_equals_eager_and_stops_recompiling() -> None:
-    assert len(run_distributed(worker, 2)[0]) == 5
+    cases = [(stage, "torch.compile", "aot_eager") for stage in (0, 1, 2, 3)]
+    assert len(run_distributed(worker, 2, cases)[0]) == len(cases)
+
+
+# The default backend generates and compiles C++ with the system's compiler: a toolchain run end to end,
+# the slowest case by far, out of the unit suite (`make test-unit`).
+@pytest.mark.integration
+def test_engine_compile_with_inductor_at_stage_3() -> None:
+    cases = [(3, "engine.compile", "inductor")]
+    assert len(run_distributed(worker, 2, cases)[0]) == len(cases)

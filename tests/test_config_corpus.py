@@ -9,6 +9,7 @@ zero_optimization is left for zeroshard, which takes DeepSpeed's defaults withou
 from __future__ import annotations
 
 import json
+import os
 import re
 import warnings
 from pathlib import Path
@@ -18,7 +19,10 @@ import pytest
 
 from zeroshard.config import ZeroshardConfig, load_config
 
-CORPUS = Path(__file__).parent.parent.parent / "shared" / "ds-configs"
+# A checkout with shared/ beside the repository; ZEROSHARD_DS_CONFIGS names the directory elsewhere.
+CORPUS = Path(
+    os.environ.get("ZEROSHARD_DS_CONFIGS") or Path(__file__).parent.parent.parent / "shared" / "ds-configs"
+)
 WORLD_SIZE = 2
 _OPTIMIZER_FILL = {"lr": 1e-4, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}
 _SCHEDULER_FILL = {"warmup_min_lr": 0, "warmup_max_lr": 1e-4, "warmup_num_steps": 10, "total_num_steps": 100}

@@ -155,6 +155,7 @@ def _close(got: torch.Tensor, want: torch.Tensor, rel: float, what: str) -> None
     assert err <= rel * scale, f"{what}: max |diff| {err:.3g} > {rel} * {scale:.3g}"
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_deepspeed_checkpoint_resumes_in_zeroshard(ds_dir: Path, tmp_path: Path, world_size: int) -> None:
     """At W=2 and W=4 from DeepSpeed's directories; at W=1 from their copies that `zeroshard convert --to
@@ -184,6 +185,7 @@ def test_deepspeed_checkpoint_resumes_in_zeroshard(ds_dir: Path, tmp_path: Path,
         assert got["lr"] == pytest.approx(float(want["lr"]), rel=1e-12)
 
 
+@pytest.mark.integration
 def test_deepspeed_checkpoint_offline(ds_dir: Path, tmp_path: Path) -> None:
     """get_fp32_state_dict and `zeroshard convert` read DeepSpeed's fp32 masters, tied names included."""
     from safetensors.torch import load_file
@@ -304,6 +306,7 @@ DIRECT = {
 }  # written by save_checkpoint(format="deepspeed"), the others by convert
 
 
+@pytest.mark.integration
 def test_zeroshard_checkpoint_resumes_in_deepspeed(ds_dir: Path, tmp_path: Path) -> None:
     """DeepSpeed -> zeroshard -> DeepSpeed's layout -> DeepSpeed resumes and takes DeepSpeed's own next
     steps. Two ways back: zeroshard at W=4 (another stage) saves its own format and `zeroshard convert
@@ -358,6 +361,7 @@ def test_zeroshard_checkpoint_resumes_in_deepspeed(ds_dir: Path, tmp_path: Path)
         assert float(got["lr"]) == pytest.approx(float(want["lr"]), rel=1e-12)
 
 
+@pytest.mark.integration
 def test_deepspeed_written_checkpoint_reads_back(ds_dir: Path, tmp_path: Path) -> None:
     """DeepSpeed -> DeepSpeed at another world size (zeroshard as the offline resharder): every master and
     moment equal to the source's, and zeroshard reads its own output."""

@@ -30,7 +30,9 @@ from zeroshard.lr_schedules import WarmupDecayLR, WarmupLR
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "tests" / "ds_scripts"
-pytestmark = pytest.mark.timeout(300)
+# pip installs into fresh virtual environments, `zeroshard launch` and torchrun: integration (`make test-unit`
+# leaves them out).
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 
 def _venv(path: Path, *install: str) -> Path:

@@ -34,7 +34,7 @@ from safetensors.torch import load_file
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "integration_scripts" / "accelerate_train.py"
 RTOL = 1e-4
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 
 def _env(alias: bool) -> dict[str, str]:

@@ -24,7 +24,7 @@ transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file  # noqa: E402
 
 SCRIPT = Path(__file__).parent / "integration_scripts" / "hf_trainer.py"
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
 # No "scheduler" block: the Trainer's own schedule drives the optimizer, as it does under DDP. (DeepSpeed's
 # WarmupDecayLR runs one step behind transformers' linear schedule, so a config naming it trains differently

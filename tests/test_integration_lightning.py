@@ -42,6 +42,8 @@ SCRIPT = ROOT / "tests" / "integration_scripts" / "lightning_train.py"
 REL = 1e-4
 LOSSES_PER_EPOCH = 4  # micro-batches per rank per epoch
 
+pytestmark = pytest.mark.integration
+
 
 # -- runs ------------------------------------------------------------------------------------------------
 

@@ -216,20 +216,6 @@ EXTRA_CASES = [
 ]
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_mixed_precision_parity(world_size: int) -> None:
-    cases = _cases(("bf16", "fp16")) + EXTRA_CASES
-    results = run_distributed(parity_worker, world_size, cases)
-    worst = {i: max(r[i] for r in results) for i in range(len(cases))}
-    fp32_comm, bf16_comm = (worst[cases.index(c)] for c in (COMM_FP32, COMM_BF16))
-    # fp32 communication sums the ranks' gradients without rounding them to bf16 on the way.
-    assert fp32_comm * 100 < bf16_comm, (fp32_comm, bf16_comm)
-    print(
-        f"W={world_size}: worst error / movement {max(worst.values()):.2e}; "
-        f"communication fp32 {fp32_comm:.2e}, bf16 {bf16_comm:.2e}"
-    )
-
-
 def overflow_worker(rank: int, world_size: int) -> None:
     # (precision, bf16.check_grad_overflow): fp16 always checks; bf16 checks unless told not to.
     for precision, check in (("fp16", True), ("bf16", True), ("bf16", False)):
@@ -281,10 +267,6 @@ def overflow_worker(rank: int, world_size: int) -> None:
     engine.backward(engine(*batch(0, 0, rank)))
     with pytest.raises(LossScaleFloorError, match=r"lin2\.weight.*bf16"):
         engine.step()
-
-
-def test_overflow_on_one_rank_skips_the_step_everywhere() -> None:
-    run_distributed(overflow_worker, 2)
 
 
 class _InputRecorder(torch.nn.Module):
@@ -346,9 +328,29 @@ def memory_worker(rank: int, world_size: int) -> list[Any]:
     return out
 
 
+def parity_and_memory_worker(rank: int, world_size: int, cases: list[dict[str, Any]]) -> dict[str, Any]:
+    """One spawn per world size: the parity cases, the bf16 memory breakdown at every stage and, at W=2, an
+    overflow on one rank that must skip the step on every rank (``overflow_worker``)."""
+    if world_size == 2:
+        overflow_worker(rank, world_size)
+    return {"parity": parity_worker(rank, world_size, cases), "memory": memory_worker(rank, world_size)}
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_bf16_adam_memory_follows_the_paper(world_size: int) -> None:
-    for stage, mb in enumerate(run_distributed(memory_worker, world_size)[0]):
+def test_mixed_precision_parity_and_bf16_memory(world_size: int) -> None:
+    cases = _cases(("bf16", "fp16")) + EXTRA_CASES
+    per_rank = run_distributed(parity_and_memory_worker, world_size, cases)
+    results = [r["parity"] for r in per_rank]
+    worst = {i: max(r[i] for r in results) for i in range(len(cases))}
+    fp32_comm, bf16_comm = (worst[cases.index(c)] for c in (COMM_FP32, COMM_BF16))
+    # fp32 communication sums the ranks' gradients without rounding them to bf16 on the way.
+    assert fp32_comm * 100 < bf16_comm, (fp32_comm, bf16_comm)
+    print(
+        f"W={world_size}: worst error / movement {max(worst.values()):.2e}; "
+        f"communication fp32 {fp32_comm:.2e}, bf16 {bf16_comm:.2e}"
+    )
+    # bf16 Adam's model-state bytes follow the paper's formulas.
+    for stage, mb in enumerate(per_rank[0]["memory"]):
         n, w = mb.num_parameters, world_size
         paper = {0: 16 * n, 1: 4 * n + 12 * n // w, 2: 2 * n + 14 * n // w, 3: 16 * n // w}[stage]
         assert mb.predicted.total == pytest.approx(paper, abs=16)

@@ -89,9 +89,7 @@ def _sweep(rank: int, world_size: int) -> list[dict[str, Any]]:
     return out
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_stage2_model_state_is_the_formula_within_the_bucket_allowance(world_size: int) -> None:
-    per_rank = run_distributed(_sweep, world_size)
+def _check_formula_within_the_bucket_allowance(per_rank: list[Any], world_size: int) -> None:
     n = sum(p.numel() for p in _mlp().parameters())
     w = world_size
     for rank, results in enumerate(per_rank):
@@ -134,9 +132,8 @@ def _default_buckets(rank: int, world_size: int) -> dict[str, Any]:
     return _run(rank, world_size, 2, 1, {}, 1024)
 
 
-def test_stage2_units_are_bounded_with_the_default_reduce_bucket_size() -> None:
+def _check_units_bounded_with_the_default_reduce_bucket_size(per_rank: list[Any]) -> None:
     """DeepSpeed's default ``reduce_bucket_size`` (5e8) exceeds most models: units stay bounded anyway."""
-    per_rank = run_distributed(_default_buckets, 2)
     n = sum(p.numel() for p in _mlp(1024).parameters())
     assert n > 2 * MAX_UNIT_ELEMENTS
     for r in per_rank:
@@ -188,11 +185,10 @@ def _full_grads(rank: int, world_size: int) -> list[str]:
     return failures
 
 
-@pytest.mark.parametrize("world_size", [2])
-def test_safe_get_full_grad_gathers_the_reduced_gradient(world_size: int) -> None:
+def _check_safe_get_full_grad(per_rank: list[Any]) -> None:
     """Where only a shard is held (stages 2-3, and 1 after the boundary) the full gradient is gathered on
     demand; it equals the gradient of the same micro-batches in one process."""
-    for failures in run_distributed(_full_grads, world_size):
+    for failures in per_rank:
         assert failures == []
 
 
@@ -224,10 +220,10 @@ def _control_calls(rank: int, world_size: int) -> list[tuple[int, str, int, int]
     return out
 
 
-def test_one_step_needs_one_control_collective() -> None:
+def _check_one_control_collective(rank0: list[tuple[int, str, int, int]]) -> None:
     """The overflow flag, the gradient norm and which parameters got a gradient anywhere travel in one
     all-reduce: a step at stages 0-2 launches exactly one control collective besides the model state's."""
-    for stage, precision, calls, steps in run_distributed(_control_calls, 2)[0]:
+    for stage, precision, calls, steps in rank0:
         assert calls == 1, (stage, precision, calls)
         assert steps == 2
 
@@ -282,12 +278,37 @@ def _adopted_vs_copied(rank: int, world_size: int) -> list[tuple[int, int, list[
     return out
 
 
-@pytest.mark.timeout(300)
-def test_a_one_parameter_unit_reduces_autograds_gradient_without_a_bucket() -> None:
+def _check_adopted_gradients_train_as_copied(
+    per_rank: list[list[tuple[int, int, list[list[float]]]]],
+) -> None:
     """The embedding-like unit's gradient is reduce-scattered as autograd produced it (no bucket beside it),
     and training is bitwise the same as with the copy into a bucket, at stages 2 and 3 with GAS 2."""
-    for rank, results in enumerate(run_distributed(_adopted_vs_copied, 2)):
+    for rank, results in enumerate(per_rank):
         for k in (0, 2):
             (stage, took, masters), (_, none, copied) = results[k], results[k + 1]
             assert took == 4 and none == 0, (rank, stage, took, none)  # every backward: 4 micro-steps
             assert masters == copied, (rank, stage)
+
+
+def _worker(rank: int, world_size: int) -> dict[str, Any]:
+    """One spawn per world size: the formula sweep; at W=2 also the default buckets, safe_get_full_grad
+    the control-collective count and the adopted
+    gradient of a one-parameter unit."""
+    out: dict[str, Any] = {"sweep": _sweep(rank, world_size)}
+    if world_size == 2:
+        out["default"] = _default_buckets(rank, world_size)
+        out["full_grads"] = _full_grads(rank, world_size)
+        out["control"] = _control_calls(rank, world_size)
+        out["adopted"] = _adopted_vs_copied(rank, world_size)
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_stage2_memory_full_gradients_and_control_collectives(world_size: int) -> None:
+    per_rank = run_distributed(_worker, world_size)
+    _check_formula_within_the_bucket_allowance([r["sweep"] for r in per_rank], world_size)
+    if world_size == 2:
+        _check_units_bounded_with_the_default_reduce_bucket_size([r["default"] for r in per_rank])
+        _check_safe_get_full_grad([r["full_grads"] for r in per_rank])
+        _check_one_control_collective(per_rank[0]["control"])
+        _check_adopted_gradients_train_as_copied([r["adopted"] for r in per_rank])

@@ -8,7 +8,6 @@ import io
 import logging
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,7 @@ import zeroshard
 from tests.distributed import run_distributed
 from tests.models import batch, make_model
 from zeroshard.config import load_config
-from zeroshard.telemetry import StepRecord, Telemetry
+from zeroshard.telemetry import StepRecord, Telemetry, timers
 from zeroshard.telemetry.log import format_memory, format_step
 from zeroshard.telemetry.telemetry import PROGRESS_ENV, REDUCTION_OPS
 
@@ -47,25 +46,37 @@ def record(step: int, **changes: Any) -> StepRecord:
     return StepRecord(**{**values, **changes})
 
 
-def test_timers_accumulate_and_cost_nothing_when_disabled() -> None:
+class _Clock:
+    """A ``time`` stand-in whose ``perf_counter`` moves only when the test says: timings without waiting."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+def test_timers_accumulate_and_cost_nothing_when_disabled(monkeypatch: pytest.MonkeyPatch) -> None:
     off = Telemetry(rank=0, world_size=1)
     assert off.timer("forward") is off.timer("backward")  # one shared no-op context manager
     with off.timer("forward"):
         pass
     assert off.timings() == {}
 
+    clock = _Clock()
+    monkeypatch.setattr(timers, "time", clock)
     on = Telemetry(rank=0, world_size=1, wall_clock_breakdown=True)
-    for _ in range(3):
+    for seconds in (0.25, 0.5, 1.0):
         with on.timer("forward"):
-            time.sleep(0.01)
+            clock.now += seconds
+        clock.now += 7.0  # outside any timer: not counted
     with on.timer("step"):
         pass
-    timings = on.timings()
-    assert set(timings) == {"forward", "step"}
-    assert timings["forward"] >= 0.03 and timings["step"] >= 0.0  # sleep bounds it below; nothing above
+    assert on.timings() == {"forward": 1.75, "step": 0.0}
     with pytest.raises(RuntimeError), on.timer("backward"):  # time is counted even when the block raises
+        clock.now += 0.125
         raise RuntimeError("boom")
-    assert "backward" in on.timings()
+    assert on.timings()["backward"] == 0.125
 
 
 def test_log_lines_every_steps_per_print_on_rank_0(caplog: pytest.LogCaptureFixture) -> None:

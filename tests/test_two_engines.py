@@ -109,10 +109,6 @@ def worker(rank: int, world_size: int) -> list[str]:
     return report
 
 
-def test_gan_with_two_engines_trains_like_pytorch() -> None:
-    assert len(run_distributed(worker, 2)[0]) == 8
-
-
 def teacher_worker(rank: int, world_size: int) -> None:
     from tests.models import batch, make_model
 
@@ -138,7 +134,13 @@ def teacher_worker(rank: int, world_size: int) -> None:
         engine_s.step()
 
 
-def test_frozen_teacher_without_optimizer_beside_a_trained_engine() -> None:
-    """Distillation / RLHF reference models: an engine with no optimizer runs forward in eval() at stage 3
-    with its parameters sharded, next to a trained engine."""
-    run_distributed(teacher_worker, 2)
+def gan_and_teacher_worker(rank: int, world_size: int) -> list[str]:
+    teacher_worker(rank, world_size)
+    return worker(rank, world_size)
+
+
+def test_gan_and_frozen_teacher_train_like_pytorch() -> None:
+    """One spawn: the GAN's two engines at stages 0-3 (8 cases); and, for distillation / RLHF reference
+    models, an engine with no optimizer running forward in eval() at stage 3 with its parameters sharded,
+    next to a trained engine."""
+    assert len(run_distributed(gan_and_teacher_worker, 2)[0]) == 8

@@ -37,6 +37,18 @@ class _IterationSchedule(LRScheduler):
         """DeepSpeed's iteration index of the lr now applied (-1 before the first step)."""
         return self.last_epoch - 1
 
+    def step(self, last_batch_iteration: int | None = None) -> None:  # type: ignore[override]
+        """Apply the lr of the next iteration, or of ``last_batch_iteration`` when given (DeepSpeed's
+        signature: ``engine.step(lr_kwargs={"last_batch_iteration": k})`` jumps the schedule to k).
+
+        Raises:
+            TypeError, ValueError: ``last_batch_iteration`` is not an integer >= -1.
+        """
+        if last_batch_iteration is not None:
+            check_int("scheduler.step(last_batch_iteration)", last_batch_iteration, minimum=-1)
+            self.last_epoch = last_batch_iteration  # torch's step adds one: last_epoch - 1 == the iteration
+        super().step()
+
     def get_lr(self) -> list[float | Tensor]:
         """Return the lr of each param group at :attr:`last_batch_iteration`."""
         return list(self.lrs_at(self.last_batch_iteration))
