@@ -166,7 +166,7 @@ class Pending:
         c = self._channel
         token: Token | None = None
         if c is not None:
-            token = MONITOR.block(c.key, self._seq, self._what, c.ranks, c.group, c.backend)
+            token = MONITOR.block(c.key, self._seq, self._what, c.ranks, c.breaker)
         try:
             for work in works:
                 if deadline is None:
@@ -230,10 +230,13 @@ class Comm:
         # What the liveness records name this group by (the same on every rank) and its global ranks.
         self.key = ""
         self.ranks: tuple[int, ...] = (0,)
-        self.backend = "nccl" if nccl else "gloo"
+        # How the heartbeat thread makes a wait on this group raise: gloo only (an NCCL wait does not block).
+        self.breaker: Callable[[int], None] | None = None
         if self.world_size > 1:
             self.key = str((group or dist.group.WORLD).group_name)  # type: ignore[union-attr]
             self.ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))  # type: ignore[arg-type]
+            if not nccl:
+                self.breaker = lambda peer: break_wait(self.group, peer, self.ranks)
 
     def new_channel(self) -> Comm:
         """A second group over the same ranks, sharing this one's byte counts.
@@ -267,7 +270,7 @@ class Comm:
         try:
             return start()
         except RuntimeError as err:
-            token = MONITOR.block(self.key, seq, what, self.ranks, self.group, self.backend)
+            token = MONITOR.block(self.key, seq, what, self.ranks, self.breaker)
             try:
                 raise MONITOR.failure(token, err, self.rank, self.timeout, 0.0) from err
             finally:

@@ -35,13 +35,10 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
 
 import torch.distributed as dist
-
-if TYPE_CHECKING:
-    from zeroshard.core.comm import Comm
 
 logger = logging.getLogger(__name__)
 
@@ -91,8 +88,21 @@ def heartbeat_window() -> float:
     return seconds
 
 
-# A wait in progress: (group key, sequence number, what, api, step, since, global ranks, group, backend)
-Token = tuple[str, int, str, str, "int | None", float, tuple[int, ...], Any, str]
+# A wait in progress: (group key, sequence number, what, api, step, since, global ranks of the group, a
+# function that makes the wait raise when given a peer's global rank, or None)
+Token = tuple[str, int, str, str, "int | None", float, tuple[int, ...], "Callable[[int], None] | None"]
+
+
+class Comm(Protocol):
+    """What :func:`start` and :func:`collective_api` use of ``zeroshard.core.comm.Comm``."""
+
+    rank: int
+    world_size: int
+    group: Any
+
+    def all_gather_object(self, obj: Any, *, what: str = ...) -> list[Any]: ...
+    def agree(self, value: int, *, what: str) -> list[int]: ...
+    def check_entry(self, api: str, step: int | None) -> None: ...
 
 
 class _Api:
@@ -147,9 +157,11 @@ class Monitor:
         """The outermost collective API this rank is in, and its step ("" when none)."""
         return self.apis[0] if self.apis else ("", None)
 
-    def block(self, key: str, seq: int, what: str, ranks: tuple[int, ...], group: Any, backend: str) -> Token:
+    def block(
+        self, key: str, seq: int, what: str, ranks: tuple[int, ...], breaker: Callable[[int], None] | None
+    ) -> Token:
         name, step = self.where()
-        token: Token = (key, seq, what, name, step, time.monotonic(), ranks, group, backend)
+        token: Token = (key, seq, what, name, step, time.monotonic(), ranks, breaker)
         self.blocked = token
         return token
 
@@ -191,7 +203,7 @@ class Monitor:
         self, token: Token, err: BaseException, rank: int, timeout: datetime.timedelta | None, waited: float
     ) -> CollectiveError:
         """The error a failed or timed-out wait raises (see [Note: liveness]); publishes it to the peers."""
-        key, seq, what, api, step, _, ranks, _, _ = token
+        key, seq, what, api, step, _, ranks, _ = token
         verdict = self.verdict[1] if self.verdict is not None and self.verdict[0] is token else None
         self.verdict = None
         text = str(err)
@@ -376,10 +388,8 @@ class _Link:
         if self.monitor.blocked is not b:
             return
         self.monitor.verdict = (b, reason)
-        if b[8] == "gloo":
-            from zeroshard.core.comm import break_wait
-
-            break_wait(b[7], next(r for r in b[6] if r != self.rank), b[6])
+        if b[7] is not None:
+            b[7](next(r for r in b[6] if r != self.rank))
 
     def explain(self, b: Token, settle: bool) -> tuple[dict[int, dict[str, Any]], list[str]]:
         """Every peer's state and, after a connection error (``settle``), which peers stopped beating:
