@@ -305,3 +305,54 @@ def test_hung_peer_and_one_rank_only_calls_are_named() -> None:
             msg = report["error"]
             assert f"ranks [0] entered {mine}" in msg and f"ranks [1] entered {theirs}" in msg, msg
             assert report["seconds"] < 5, f"{case}: {report['seconds']:.1f}s"
+
+
+def test_records_judgement_and_table_without_processes(monkeypatch: pytest.MonkeyPatch) -> None:
+    from zeroshard.core.liveness import HEARTBEAT_ENV, Monitor, heartbeat_window, judge, last_collectives
+
+    for raw, expected in [("30", 30.0), ("0", 0.0), ("2.5", 2.5)]:
+        monkeypatch.setenv(HEARTBEAT_ENV, raw)
+        assert heartbeat_window() == expected
+    for raw in ("-1", "nan", "inf", "soon"):
+        monkeypatch.setenv(HEARTBEAT_ENV, raw)
+        with pytest.raises(ValueError, match=HEARTBEAT_ENV):
+            heartbeat_window()
+
+    # Rank 0 waits in save_checkpoint on group 0; what rank 1 published decides.
+    me = Monitor()
+    with me.api("engine.step", 1):
+        for _ in range(3):
+            me.note("0", "all_reduce", "step checks")
+    with me.api("save_checkpoint", 2):
+        me.note("0", "agree", "save_checkpoint entry check")
+        token = me.block("0", 4, "save_checkpoint entry check", (0, 1), None)
+    assert me.ring[-1] == ("0", 4, "agree: save_checkpoint entry check", "save_checkpoint", 2)
+
+    def peer(seq: dict[str, int], ring: list[Any], blocked: dict[str, Any] | None) -> dict[int, Any]:
+        return {
+            1: {"seq": seq, "ring": ring, "apis": [], "last_api": None, "blocked": blocked, "failed": None}
+        }
+
+    waiting = {"key": "1", "seq": 7, "what": "parameter all_gather", "api": "engine.forward", "step": 2}
+    # Rank 1 trains on (blocked on a gather rank 0 never launched): a desync, named.
+    why = judge(me, token, peer({"0": 3, "1": 7}, [], {**waiting, "for_s": 1.0}), grace=0.5)
+    assert why is not None and "rank 1 is in engine.forward (step 2)" in why
+    # ... but not before it has waited the grace, nor when it waits on something rank 0 did launch.
+    assert judge(me, token, peer({"0": 3, "1": 7}, [], {**waiting, "for_s": 0.1}), grace=0.5) is None
+    me.seq["1"] = 7
+    assert judge(me, token, peer({"0": 3, "1": 7}, [], {**waiting, "for_s": 1.0}), grace=0.5) is None
+    # Rank 1 launched collective #4 on group 0 from another API: a desync at the same sequence number.
+    ring = [["0", 4, "reduce_scatter: gradients", "engine.backward", 2]]
+    blocked = {"key": "0", "seq": 4, "what": "gradients", "api": "engine.backward", "step": 2, "for_s": 1.0}
+    why = judge(me, token, peer({"0": 4}, ring, blocked), grace=0.5)
+    assert why is not None and "in engine.backward" in why and "this rank in save_checkpoint" in why
+    # A peer that failed is named at once.
+    failed = peer({"0": 3}, [], None)
+    failed[1]["failed"] = "rank 1: boom"
+    assert judge(me, token, failed, grace=0.5) == "rank 1 failed: rank 1: boom"
+
+    table = last_collectives({0: {"ring": list(me.ring)}, 1: {"ring": ring}})
+    lines = table.splitlines()
+    assert lines[1].split("|")[0].strip() == "rank 0" and lines[1].split("|")[1].strip() == "rank 1"
+    assert "#4 g0 save_checkpoint: agree: save_checkpo" in lines[-1]
+    assert "#4 g0 engine.backward: reduce_scatter: grad" in lines[-1]

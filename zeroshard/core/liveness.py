@@ -141,6 +141,12 @@ class Monitor:
         self.failed: str | None = None
         self.link: _Link | None = None
 
+    def restart(self) -> None:
+        """Forget the collectives and the failure of a previous process group (a new one starts)."""
+        self.seq.clear()
+        self.ring.clear()
+        self.verdict = self.failed = None
+
     # -- the calling thread: no communication ------------------------------------------------------------
     def note(self, key: str, op: str, what: str) -> int:
         """Count a collective launched on group ``key``; returns its sequence number there."""
@@ -543,6 +549,7 @@ def start(comm: Comm) -> None:
             new.store = None
         return
     assert new is not None
+    MONITOR.restart()
     new.start()
     MONITOR.link = new
 
