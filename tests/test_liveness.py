@@ -308,7 +308,8 @@ def test_hung_peer_and_one_rank_only_calls_are_named() -> None:
 
 
 def test_records_judgement_and_table_without_processes(monkeypatch: pytest.MonkeyPatch) -> None:
-    from zeroshard.core.liveness import HEARTBEAT_ENV, Monitor, heartbeat_window, judge, last_collectives
+    from zeroshard.core.heartbeat import HEARTBEAT_ENV, heartbeat_window
+    from zeroshard.core.liveness import Monitor, judge, last_collectives
 
     for raw, expected in [("30", 30.0), ("0", 0.0), ("2.5", 2.5)]:
         monkeypatch.setenv(HEARTBEAT_ENV, raw)

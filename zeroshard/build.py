@@ -17,9 +17,9 @@ from zeroshard.config import ConfigWarning, ZeroshardConfig, load_config, resolv
 from zeroshard.core.buffers import BufferPool
 from zeroshard.core.comm import Comm
 from zeroshard.core.grad_sync import GradientReducer
+from zeroshard.core.heartbeat import start as start_liveness
 from zeroshard.core.hooks import ParameterGatherer
 from zeroshard.core.liveness import MONITOR
-from zeroshard.core.liveness import start as start_liveness
 from zeroshard.core.optimizer import ShardedStep, normalize_param_groups, reseat_optimizer, shard_param_groups
 from zeroshard.core.precision import loss_scaler_from_config, policy_from_config
 from zeroshard.core.reduction_groups import Averaging

@@ -11,9 +11,9 @@ import torch.distributed as dist
 from torch import nn
 
 from zeroshard.core.comm import DEFAULT_TIMEOUT, Comm
+from zeroshard.core.heartbeat import halt as halt_liveness
+from zeroshard.core.heartbeat import stop as stop_liveness
 from zeroshard.core.liveness import MONITOR
-from zeroshard.core.liveness import halt as halt_liveness
-from zeroshard.core.liveness import stop as stop_liveness
 
 logger = logging.getLogger(__name__)
 

@@ -21,10 +21,10 @@ from torch import nn
 from zeroshard.core import saved_views
 from zeroshard.core.comm import Comm
 from zeroshard.core.flat_param import FlatUnit
+from zeroshard.core.heartbeat import start as start_liveness
 from zeroshard.core.hooks import ParameterGatherer
 from zeroshard.core.layout import FlatLayout
 from zeroshard.core.liveness import MONITOR
-from zeroshard.core.liveness import start as start_liveness
 from zeroshard.core.marks import register_external_parameter
 from zeroshard.offload.malloc import keep_large_blocks_mapped, release_free_memory
 
