@@ -65,8 +65,8 @@ def _act(rank: int, case: str, engine: Any, root: str) -> None:
     import zeroshard
     import zeroshard.checkpoint.save as save_module
 
-    what, stage, victim = case.split(":")[0], int(case.split(":")[1]), rank == 1
-    del stage
+    what = case.split(":")[0]
+    victim = rank == (0 if what == "stop0-train" else 1)
     if what == "kill-train":
         if victim:
             _die()
@@ -86,7 +86,7 @@ def _act(rank: int, case: str, engine: Any, root: str) -> None:
         if victim:
             engine.gatherer.hold_all = _die
         engine.full_state_dict()
-    elif what == "stop-train":
+    elif what in ("stop-train", "stop0-train"):
         if victim:
             os.kill(os.getpid(), signal.SIGSTOP)
         for step in range(2, 10):
@@ -167,6 +167,7 @@ def _server(cases: list[str], results: Any) -> None:
                 pids.append(pid)
             # Rank 0 reports; so does rank 1 where it is alive and must fail too (the API cases).
             wanted = ["0.json", "1.json"] if case.startswith(("alone", "save-vs")) else ["0.json"]
+            wanted = ["1.json"] if case.startswith("stop0") else wanted
             deadline = time.monotonic() + 45
             while time.monotonic() < deadline and not all(
                 os.path.exists(os.path.join(tmp, w)) for w in wanted
@@ -203,16 +204,17 @@ def run_cases(cases: list[str]) -> dict[str, dict[int, dict[str, Any]]]:
 
 
 def _check(case: str, report: dict[str, Any] | None, api: str, bound: float, *also: str) -> None:
-    """Rank 0's error names itself, the API, the step, rank 1 as not arrived, the table; in time."""
-    assert report is not None, f"{case}: rank 0 reported nothing (it hung or crashed)"
+    """The survivor's error names itself, the API, the step, the other rank as not arrived; in time."""
+    assert report is not None, f"{case}: the surviving rank reported nothing (it hung or crashed)"
+    me = report["rank"]
     assert report["type"] == "CollectiveError", (
-        f"{case}: rank 0 raised no CollectiveError:\n{report['error']}"
+        f"{case}: rank {me} raised no CollectiveError:\n{report['error']}"
     )
     msg = report["error"]
-    for part in (f"rank 0: {api}", "(step 2)", *also):
-        assert part in msg, f"{case}: {part!r} is not in rank 0's error:\n{msg}"
+    for part in (f"rank {me}: {api}", "(step 2)", *also):
+        assert part in msg, f"{case}: {part!r} is not in rank {me}'s error:\n{msg}"
     assert report["seconds"] < bound, (
-        f"{case}: rank 0 failed after {report['seconds']:.1f}s > {bound}s:\n{msg}"
+        f"{case}: rank {me} failed after {report['seconds']:.1f}s > {bound}s:\n{msg}"
     )
 
 
@@ -225,6 +227,7 @@ def test_dead_and_frozen_peers_fail_the_survivor_within_seconds() -> None:
         "kill-save:3",
         "kill-full_state_dict:3",
         "stop-train:2",
+        "stop0-train:2",
     ]
     got = run_cases(cases)
     died = (
@@ -246,6 +249,15 @@ def test_dead_and_frozen_peers_fail_the_survivor_within_seconds() -> None:
         WINDOW + 5,
         "rank(s) [1] are dead: no heartbeat for 3s",
         "ranks that did not arrive: [1]",
+    )
+    # Rank 0 stopped: the store it hosts stops answering; 5 s of silence name it.
+    _check(
+        "stop0-train:2",
+        got["stop0-train:2"].get(1),
+        "engine.backward",
+        5 + 5,
+        "rank 0, which hosts the heartbeat store, has not answered",
+        "ranks that did not arrive: [0]",
     )
 
 

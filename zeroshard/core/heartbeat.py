@@ -61,10 +61,36 @@ class _Link:
         self._published = ""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="zeroshard-heartbeat", daemon=True)
+        # A store call does not return while rank 0 is stopped: a second thread watches the first.
+        self._busy_since: float | None = None
+        self._guard = threading.Thread(
+            target=self._watch_store, name="zeroshard-heartbeat-guard", daemon=True
+        )
 
     def start(self) -> None:
         self.beat()
         self._thread.start()
+        self._guard.start()
+
+    def responsive(self) -> bool:
+        """Whether a store call can be made without waiting on a stopped rank 0."""
+        busy = self._busy_since
+        return self.broken is None and (busy is None or time.monotonic() - busy < 2.0)
+
+    def _watch_store(self) -> None:
+        patience = max(5.0, self.window / 2)
+        while not self._stop.wait(self.interval):
+            busy = self._busy_since
+            if busy is None or time.monotonic() - busy < patience:
+                continue
+            if self.broken is None:
+                self.broken = (
+                    f"rank {self.ranks[0]}, which hosts the heartbeat store, has not answered for "
+                    f"{time.monotonic() - busy:.0f}s: it is stopped or its host vanished"
+                )
+            b = self.monitor.blocked
+            if b is not None and self.monitor.verdict is None and time.monotonic() - b[5] >= self.grace:
+                self._decide(b, self.broken)
 
     def beat(self) -> None:
         self.store.add(f"{_PREFIX}hb/{self.rank}", 1)
@@ -75,7 +101,7 @@ class _Link:
 
     def publish(self) -> None:
         """Publish this rank's state now (a failure), if the store still answers. Local."""
-        if self.broken is None:
+        if self.responsive():
             try:
                 self.beat()
             except Exception as err:
@@ -84,8 +110,9 @@ class _Link:
     def halt(self) -> None:
         """Stop the heartbeat thread (it makes no store calls afterwards). Local."""
         self._stop.set()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(timeout=2 * self.interval + 1)
+        for thread in (self._thread, self._guard):
+            if thread.is_alive() and thread is not threading.current_thread():
+                thread.join(timeout=2 * self.interval + 1)
 
     def stop(self, exiting: bool = False) -> None:
         """Stop the thread and let the store go (on rank 0, its server). Local."""
@@ -109,9 +136,11 @@ class _Link:
                     self._decide(b, self.broken)  # type: ignore[arg-type]
                 continue
             try:
+                self._busy_since = time.monotonic()
                 self.beat()
                 if waiting:
                     self._watch(b)  # type: ignore[arg-type]
+                self._busy_since = None
             except Exception as err:  # the store's host (rank 0) is gone or frozen: no more store calls
                 if self._stop.is_set():
                     return
@@ -161,8 +190,8 @@ class _Link:
         a few heartbeats are watched, or until every peer showed a beat or its failure."""
         peers = [r for r in b[6] if r != self.rank]
         notes: list[str] = []
-        if self.broken is not None:
-            return {}, [self.broken]
+        if not self.responsive():
+            return {}, [self.broken or f"the heartbeat store on rank {self.ranks[0]} is not answering"]
         try:
             start = time.monotonic()
             first = self.store.multi_get([f"{_PREFIX}hb/{r}" for r in peers])

@@ -4,7 +4,7 @@
 Every process keeps, in memory and at no communication cost, the sequence number of each collective it
 launched per group, a ring of its last collectives (group, number, operation, API, step) and the stack of
 collective APIs it is inside (``save_checkpoint``, ``engine.step``, ...). With a process group of more than
-one rank, ``initialize`` (and ``zero.Init``) also start a heartbeat: rank 0 hosts a small
+one rank, ``initialize`` (and ``zero.Init``) also start a heartbeat (heartbeat.py): rank 0 hosts a small
 ``torch.distributed.TCPStore`` of its own (its port is shared once through a collective), and a daemon thread
 in every process bumps its counter there every ``interval`` and publishes its state (the above, and what
 it is blocked on) when it changed. That is one or two store round trips a second per process, none on
@@ -14,7 +14,8 @@ Only while a collective wait has lasted longer than ``grace`` does the thread re
 counter has not moved for the heartbeat window is dead (a stopped process or a vanished host, which closes
 no connection); a peer that failed is named; and a peer blocked on a collective this rank never
 launched, while this rank waits on one that peer never launched, waits for this rank as this rank waits
-for it (e.g. rank 0 in ``save_checkpoint`` while rank 1 trains on). The thread then records the reason
+for it (e.g. rank 0 in ``save_checkpoint`` while rank 1 trains on), as does a peer that launched this
+rank's collective from another API (``judge``). The thread then records the reason
 and breaks the wait (on gloo: an unmatched receive on the same group, timed out at once, makes gloo close
 the group's connections), and the waiting thread raises :class:`CollectiveError` with that reason. A crashed
 peer closes its connections itself; the error then waits a few heartbeats to say which peer stopped
