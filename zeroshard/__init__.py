@@ -5,6 +5,7 @@ from __future__ import annotations
 from zeroshard import zero
 from zeroshard.build import initialize
 from zeroshard.config import ZeroshardConfig, add_config_arguments
+from zeroshard.core.liveness import CollectiveError
 from zeroshard.core.marks import register_external_parameter, set_z3_leaf_modules
 from zeroshard.core.memory import MemoryBreakdown
 from zeroshard.dist import init_distributed, shutdown_distributed
@@ -12,6 +13,7 @@ from zeroshard.engine import ZeroshardEngine
 from zeroshard.version import __version__
 
 __all__ = [
+    "CollectiveError",
     "MemoryBreakdown",
     "ZeroshardConfig",
     "ZeroshardEngine",

@@ -24,7 +24,9 @@ from zeroshard.config import (
 from zeroshard.core.buffers import BufferPool
 from zeroshard.core.comm import Comm
 from zeroshard.core.grad_sync import GradientReducer
+from zeroshard.core.heartbeat import start as start_liveness
 from zeroshard.core.hooks import ParameterGatherer
+from zeroshard.core.liveness import MONITOR
 from zeroshard.core.optimizer import ShardedStep, normalize_param_groups, reseat_optimizer, shard_param_groups
 from zeroshard.core.precision import loss_scaler_from_config, policy_from_config
 from zeroshard.core.reduction_groups import Averaging
@@ -75,108 +77,110 @@ def initialize(
     if dist_init_required is not False:
         init_distributed()
     comm = Comm(group)
-    source = resolve_config_source(config, config_params, args)
-    client_opt = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
-    with warnings.catch_warnings():
-        if comm.rank != 0:  # every rank validates; rank 0 alone tells the user
-            warnings.simplefilter("ignore", ConfigWarning)
-        cfg = load_config(
-            source,
-            world_size=comm.world_size,
-            hidden_size=_hidden_size(model),
-            model_dtype=next((p.dtype for p in model.parameters()), None),
-            client_optimizer=client_opt,
-            optimizer_given=optimizer is not None,
-        )
-    check_ranks_agree(model, cfg, comm)
-    plan = plan_for(cfg.zero_optimization.stage)
-    policy = policy_from_config(cfg)
-    if comm.rank == 0:
-        logger.info("zeroshard config:\n%s", cfg.dump())
-
-    groups = normalize_param_groups(model, client_opt.param_groups if client_opt else model_parameters)
-    device = training_device(model, comm)
-    model.to(device)  # the same Parameter objects: the client optimizer and zero.Init's shards keep them
-    _broadcast_from_rank0(model, comm)
-    offload = build_offload(cfg, plan, policy, model, comm)
-    swapper = offload.optimizer_swapper
-    pool = BufferPool()  # transient flat buffers reused across units: see buffers.py, sized below
-    options = UnitOptions(offload.master_device, offload.on_unit, pool)
-    built = build_units(model, cfg, plan, policy, comm, options)
-    units = built.units
-    # Idle buffers fill the room below the high-water mark plus one of the largest units: the spare adds to
-    # peak RSS (two units cost stage 2 of the large bench GPT 64 MiB, 0.02 x DDP's peak, and avoided no
-    # allocation there); none at all made stage 3 of it allocate about 80 buffers per step.
-    itemsize = max(policy.compute.itemsize, policy.reduce.itemsize)
-    pool.spare_bytes = itemsize * max((u.layout.padded for u in units), default=0)
-    if policy.mixed:
-        # Frozen parameters and floating buffers follow the compute dtype; unit parameters already do.
-        model.to(dtype=policy.compute)
-    sharded_groups, slices = shard_param_groups(groups, units)
-    opt = _build_optimizer(optimizer, cfg, sharded_groups, plan)
-    if swapper is not None:
-        if opt is None:
-            raise ValueError(
-                "zero_optimization.offload_optimizer.device 'nvme' needs an optimizer: pass optimizer= to "
-                "initialize() or add an 'optimizer' block"
+    start_liveness(comm)  # the heartbeat: see [Note: liveness] in core/liveness.py
+    with MONITOR.api("initialize"):
+        source = resolve_config_source(config, config_params, args)
+        client_opt = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
+        with warnings.catch_warnings():
+            if comm.rank != 0:  # every rank validates; rank 0 alone tells the user
+                warnings.simplefilter("ignore", ConfigWarning)
+            cfg = load_config(
+                source,
+                world_size=comm.world_size,
+                hidden_size=_hidden_size(model),
+                model_dtype=next((p.dtype for p in model.parameters()), None),
+                client_optimizer=client_opt,
+                optimizer_given=optimizer is not None,
             )
-        swapper.bind(slices, opt)
-    scheduler = _build_scheduler(lr_scheduler, cfg, opt)
+        check_ranks_agree(model, cfg, comm)
+        plan = plan_for(cfg.zero_optimization.stage)
+        policy = policy_from_config(cfg)
+        if comm.rank == 0:
+            logger.info("zeroshard config:\n%s", cfg.dump())
 
-    reducer = GradientReducer(
-        units,
-        comm,
-        plan,
-        Averaging(comm.world_size, cfg.prescale_gradients, cfg.gradient_predivide_factor),
-        overlap_comm=cfg.zero_optimization.overlap_comm,
-        pool=pool,
-        # Coalesced stage-3 buckets are bounded like stage 0-2 units ([Note: bounded units]): with
-        # MAX_INFLIGHT reductions in flight, larger ones would hold that many times their size.
-        bucket_elements=unit_elements(cfg),
-    )
-    reducer.register_hooks()
-    gatherer = None
-    if built.module_units:
-        zero = cfg.zero_optimization
-        gatherer = ParameterGatherer(
-            built.module_units,
-            comm.new_channel(),  # parameter gathers on their own group: see Comm.new_channel
-            prefetch_elements=zero.prefetch_bucket_size,
-            max_live_elements=zero.max_live_parameters,
-            max_reuse_distance=zero.max_reuse_distance,
-            pool=pool,
-        )
-        gatherer.register(model)
-        reducer.on_reduced = gatherer.on_reduced
-    trained = TrainedParameters(units, gatherer, comm)
-    install_state_dict_hooks(model, trained)
-    engine = ZeroshardEngine(
-        model,
-        config=cfg,
-        plan=plan,
-        comm=comm,
-        units=units,
-        reducer=reducer,
-        sharded_step=ShardedStep(
+        groups = normalize_param_groups(model, client_opt.param_groups if client_opt else model_parameters)
+        device = training_device(model, comm)
+        model.to(device)  # the same Parameter objects: the client optimizer and zero.Init's shards keep them
+        _broadcast_from_rank0(model, comm)
+        offload = build_offload(cfg, plan, policy, model, comm)
+        swapper = offload.optimizer_swapper
+        pool = BufferPool()  # transient flat buffers reused across units: see buffers.py, sized below
+        options = UnitOptions(offload.master_device, offload.on_unit, pool)
+        built = build_units(model, cfg, plan, policy, comm, options)
+        units = built.units
+        # Idle buffers fill the room below the high-water mark plus one of the largest units: the spare
+        # adds to peak RSS (two units cost stage 2 of the large bench GPT 64 MiB, 0.02 x DDP's peak, and
+        # avoided no allocation there); none at all made stage 3 of it allocate about 80 buffers per step.
+        itemsize = max(policy.compute.itemsize, policy.reduce.itemsize)
+        pool.spare_bytes = itemsize * max((u.layout.padded for u in units), default=0)
+        if policy.mixed:
+            # Frozen parameters and floating buffers follow the compute dtype; unit parameters already do.
+            model.to(dtype=policy.compute)
+        sharded_groups, slices = shard_param_groups(groups, units)
+        opt = _build_optimizer(optimizer, cfg, sharded_groups, plan)
+        if swapper is not None:
+            if opt is None:
+                raise ValueError(
+                    "zero_optimization.offload_optimizer.device 'nvme' needs an optimizer: pass "
+                    "optimizer= to initialize() or add an 'optimizer' block"
+                )
+            swapper.bind(slices, opt)
+        scheduler = _build_scheduler(lr_scheduler, cfg, opt)
+
+        reducer = GradientReducer(
             units,
-            slices,
             comm,
             plan,
-            allgather_bucket_size=cfg.zero_optimization.allgather_bucket_size,
-            swapper=swapper,
-        ),
-        offload=offload,
-        optimizer=opt,
-        lr_scheduler=scheduler,
-        local_rank=local_rank(),
-        device=device,
-        loss_scaler=loss_scaler_from_config(cfg),
-        gatherer=gatherer,
-        trained=trained,
-    )
-    loader = _build_dataloader(training_data, cfg, comm, collate_fn)
-    engine.training_dataloader = loader
-    return engine, opt, loader, scheduler
+            Averaging(comm.world_size, cfg.prescale_gradients, cfg.gradient_predivide_factor),
+            overlap_comm=cfg.zero_optimization.overlap_comm,
+            pool=pool,
+            # Coalesced stage-3 buckets are bounded like stage 0-2 units ([Note: bounded units]): with
+            # MAX_INFLIGHT reductions in flight, larger ones would hold that many times their size.
+            bucket_elements=unit_elements(cfg),
+        )
+        reducer.register_hooks()
+        gatherer = None
+        if built.module_units:
+            zero = cfg.zero_optimization
+            gatherer = ParameterGatherer(
+                built.module_units,
+                comm.new_channel(),  # parameter gathers on their own group: see Comm.new_channel
+                prefetch_elements=zero.prefetch_bucket_size,
+                max_live_elements=zero.max_live_parameters,
+                max_reuse_distance=zero.max_reuse_distance,
+                pool=pool,
+            )
+            gatherer.register(model)
+            reducer.on_reduced = gatherer.on_reduced
+        trained = TrainedParameters(units, gatherer, comm)
+        install_state_dict_hooks(model, trained)
+        engine = ZeroshardEngine(
+            model,
+            config=cfg,
+            plan=plan,
+            comm=comm,
+            units=units,
+            reducer=reducer,
+            sharded_step=ShardedStep(
+                units,
+                slices,
+                comm,
+                plan,
+                allgather_bucket_size=cfg.zero_optimization.allgather_bucket_size,
+                swapper=swapper,
+            ),
+            offload=offload,
+            optimizer=opt,
+            lr_scheduler=scheduler,
+            local_rank=local_rank(),
+            device=device,
+            loss_scaler=loss_scaler_from_config(cfg),
+            gatherer=gatherer,
+            trained=trained,
+        )
+        loader = _build_dataloader(training_data, cfg, comm, collate_fn)
+        engine.training_dataloader = loader
+        return engine, opt, loader, scheduler
 
 
 def _hidden_size(model: nn.Module) -> int | None:

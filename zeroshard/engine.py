@@ -28,6 +28,7 @@ from zeroshard.core.comm import Comm
 from zeroshard.core.flat_param import FlatUnit
 from zeroshard.core.grad_sync import GradientReducer
 from zeroshard.core.hooks import ParameterGatherer
+from zeroshard.core.liveness import MONITOR, collective_api
 from zeroshard.core.loss_scaler import LossScaleFloorError, LossScaler
 from zeroshard.core.memory import MemoryBreakdown, measure
 from zeroshard.core.optimizer import ShardedStep, clip_coefficient
@@ -118,7 +119,7 @@ class ZeroshardEngine(DeepSpeedSurface, CheckpointMethods):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._cast_inputs is not None:  # fp16.auto_cast: floating inputs follow the fp16 parameters
             args, kwargs = cast_floating((args, kwargs), self._cast_inputs)
-        with self.telemetry.timer("forward"):
+        with self.telemetry.timer("forward"), MONITOR.api("engine.forward", self.global_steps):
             return self._forward(args, kwargs)
 
     def _forward(self, args: Any, kwargs: Any) -> Any:
@@ -149,6 +150,10 @@ class ZeroshardEngine(DeepSpeedSurface, CheckpointMethods):
 
         Collective: call on all ranks, once per micro-batch.
         """
+        with MONITOR.api("engine.backward", self.global_steps):
+            return self._backward(loss, retain_graph, scale_wrt_gas)
+
+    def _backward(self, loss: torch.Tensor, retain_graph: bool, scale_wrt_gas: bool) -> torch.Tensor:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
             raise ValueError(
@@ -181,6 +186,10 @@ class ZeroshardEngine(DeepSpeedSurface, CheckpointMethods):
 
         Collective: call on all ranks, once per micro-batch, after ``backward``.
         """
+        with MONITOR.api("engine.step", self.global_steps):
+            self._step(lr_kwargs)
+
+    def _step(self, lr_kwargs: dict[str, Any] | None) -> None:
         if not self._backward_since_step:
             self._take_plain_gradients()  # loss.backward() instead of engine.backward(loss)
         if self.is_gradient_accumulation_boundary():
@@ -362,14 +371,15 @@ class ZeroshardEngine(DeepSpeedSurface, CheckpointMethods):
         if self.gatherer is None:
             yield
             return
-        with self.gatherer.hold_all():
+        with collective_api(self.comm, "gathered_parameters", self.global_steps), self.gatherer.hold_all():
             yield
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The module's state dict with full tensors (copies, in the module's dtype, on its device), on every
         rank. Collective at stage 3: call on all ranks (see [Note: local state_dict] in zero.py)."""
-        with self.gathered_parameters():
-            return {key: value.detach().clone() for key, value in self.module.state_dict().items()}
+        with collective_api(self.comm, "full_state_dict", self.global_steps, check=self.gatherer is not None):
+            with self.gathered_parameters():
+                return {key: value.detach().clone() for key, value in self.module.state_dict().items()}
 
     # -- queries -------------------------------------------------------------------------------------
     def get_lr(self) -> list[float]:

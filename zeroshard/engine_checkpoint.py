@@ -1,13 +1,16 @@
 """The engine's checkpoint methods: DeepSpeed's names over ``zeroshard.checkpoint``.
 
-:class:`CheckpointMethods` is a base class of :class:`zeroshard.ZeroshardEngine`. Each method brings the
-offloaded optimizer state into memory for the call and hands the engine, as a
-:class:`~zeroshard.checkpoint.state.TrainingState`, to the function that does the work.
+:class:`CheckpointMethods` is a base class of :class:`zeroshard.ZeroshardEngine`. Each method checks that
+every rank entered it (``collective_api``, [Note: liveness]), brings the offloaded optimizer state into
+memory for the call and hands the engine, as a :class:`~zeroshard.checkpoint.state.TrainingState`, to the
+function that does the work.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Protocol
+
+from zeroshard.core.liveness import collective_api
 
 if TYPE_CHECKING:
     from zeroshard.checkpoint.state import TrainingState
@@ -41,7 +44,8 @@ class CheckpointMethods:
 
         if format not in ("zeroshard", "deepspeed"):
             raise ValueError(f"save_checkpoint(format={format!r}): expected 'zeroshard' or 'deepspeed'")
-        with self.offload.resident(write_back=False):
+        api = collective_api(self.comm, "save_checkpoint", self.global_steps)
+        with api, self.offload.resident(write_back=False):
             if format == "deepspeed":
                 if keep_last is not None:
                     raise ValueError("save_checkpoint(keep_last=...) applies to format='zeroshard' only")
@@ -64,7 +68,8 @@ class CheckpointMethods:
         """Load a checkpoint saved at any world size and stage (see zeroshard.checkpoint). Collective."""
         from zeroshard.checkpoint import load_checkpoint
 
-        with self.offload.resident(write_back=True):
+        api = collective_api(self.comm, "load_checkpoint", self.global_steps)
+        with api, self.offload.resident(write_back=True):
             return load_checkpoint(
                 self,
                 load_dir,
@@ -84,5 +89,6 @@ class CheckpointMethods:
         """Consolidated weights in the compute dtype, safetensors (see zeroshard.checkpoint). Collective."""
         from zeroshard.checkpoint import save_16bit_model
 
-        with self.offload.resident(write_back=False):
+        api = collective_api(self.comm, "save_16bit_model", self.global_steps)
+        with api, self.offload.resident(write_back=False):
             return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)

@@ -20,8 +20,10 @@ from torch import nn
 from zeroshard.core import saved_views
 from zeroshard.core.comm import Comm
 from zeroshard.core.flat_param import FlatUnit
+from zeroshard.core.heartbeat import start as start_liveness
 from zeroshard.core.hooks import ParameterGatherer
 from zeroshard.core.layout import FlatLayout
+from zeroshard.core.liveness import MONITOR
 from zeroshard.core.marks import register_external_parameter
 from zeroshard.core.owners import OwnerRegistry, ParameterMap
 from zeroshard.offload.malloc import keep_large_blocks_mapped, release_free_memory
@@ -89,6 +91,19 @@ class GatheredParameters:
     def __enter__(self) -> GatheredParameters:
         if not self.enabled:
             return self
+        comms = [e[2] for e in map(_partition_entry, self._partitioned) if e is not None]
+        comms += [
+            comm
+            for unit, gatherer, comm in self._owned
+            if (gatherer is not None and unit.plan.shard_parameters) or self.modifier_rank is not None
+        ]
+        self._stack.enter_context(MONITOR.api("GatheredParameters"))
+        try:
+            if comms:  # something to communicate: every rank must be here (see Comm.check_entry)
+                comms[0].check_entry("GatheredParameters", None)
+        except BaseException:
+            self._stack.close()
+            raise
         for param in self._partitioned:
             shape, shard, comm = _partition_entry(param) or _missing(param)
             param.data = _full_value(shape, shard, comm, shard.device)
@@ -266,12 +281,16 @@ class Init:
         self._handle: Any = None
         # This context's partitioned parameters; listed in _INITS until initialize() takes them all.
         self.partitioned: ParameterMap[_Partition] = ParameterMap()
+        self._api: Any = None
         # Building a model that will train with NVMe offload: keep the allocator from hoarding the full
         # submodules built here (see offload/malloc.py).
         self._offloading = remote_device == "nvme" or _offloads_to_nvme(config_dict_or_path or config)
 
     def __enter__(self) -> Init:
         if self.enabled:
+            start_liveness(self.comm)  # the heartbeat: see [Note: liveness] in core/liveness.py
+            self._api = MONITOR.api("zero.Init")
+            self._api.__enter__()  # left in __exit__
             if self._offloading:
                 keep_large_blocks_mapped()
             register = nn.modules.module.register_module_module_registration_hook
@@ -281,6 +300,9 @@ class Init:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if self._api is not None:
+            self._api.__exit__()
+            self._api = None
         if self._handle is not None:
             self._handle.remove()
             self._handle = None

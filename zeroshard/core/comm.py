@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import time
 import zlib
 from collections import Counter
@@ -48,6 +49,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from zeroshard.core.liveness import APIS, MONITOR, CollectiveError, Token
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
 TIMEOUT_ENV = "ZEROSHARD_COLLECTIVE_TIMEOUT_S"
@@ -110,7 +113,9 @@ class Pending:
     ``work`` is one ``torch.distributed`` work handle or a list of them (a point-to-point exchange, see
     [Note: direct exchange]); ``then`` runs once all of them are done (e.g. summing received chunks).
     With ``stats``, the time :meth:`wait` blocks is added to ``stats`` under ``op`` (see
-    [Note: communication wait]).
+    [Note: communication wait]). ``channel`` and ``seq`` (the launching :class:`Comm` and the collective's
+    number on its group) let a failed or stuck wait raise :class:`CollectiveError` naming the ranks that did
+    not arrive (see [Note: liveness] in liveness.py).
     """
 
     def __init__(
@@ -123,6 +128,8 @@ class Pending:
         stats: CommStats | None = None,
         op: str = "",
         then: Callable[[], None] | None = None,
+        channel: Comm | None = None,
+        seq: int = 0,
     ) -> None:
         self._work = work
         self._what = what
@@ -131,6 +138,8 @@ class Pending:
         self._stats = stats
         self._op = op
         self._then = then
+        self._channel = channel
+        self._seq = seq
 
     def done(self) -> bool:
         """Whether the collective has completed, without waiting (gloo's send/recv never say so)."""
@@ -152,7 +161,12 @@ class Pending:
             then()
 
     def _wait(self, works: list[Any]) -> None:
-        deadline = None if self._timeout is None else time.monotonic() + self._timeout.total_seconds()
+        start = time.monotonic()
+        deadline = None if self._timeout is None else start + self._timeout.total_seconds()
+        c = self._channel
+        token: Token | None = None
+        if c is not None:
+            token = MONITOR.block(c.key, self._seq, self._what, c.ranks, c.breaker)
         try:
             for work in works:
                 if deadline is None:
@@ -160,11 +174,12 @@ class Pending:
                 else:
                     work.wait(timeout=datetime.timedelta(seconds=max(0.001, deadline - time.monotonic())))
         except RuntimeError as err:
-            limit = "the process group's timeout" if self._timeout is None else f"{self._timeout}"
-            raise RuntimeError(
-                f"rank {self._rank}: {self._what} failed or did not complete within {limit} (another rank "
-                f"may have crashed, or ranks ran different collectives): {err}"
-            ) from err
+            if token is None:
+                raise CollectiveError(f"rank {self._rank}: {self._what} failed: {err}") from err
+            raise MONITOR.failure(token, err, self._rank, self._timeout, time.monotonic() - start) from err
+        finally:
+            if token is not None:
+                MONITOR.unblock(token)
 
 
 _DONE = Pending(None, "", 0, None)
@@ -212,6 +227,16 @@ class Comm:
         # gloo: all-gathers and reduce-scatters as point-to-point exchanges, see [Note: direct exchange].
         self.direct = not nccl and self.world_size > 1
         self._exchanges = 0  # exchanges issued on this group: the same count on every rank
+        # What the liveness records name this group by (the same on every rank) and its global ranks.
+        self.key = ""
+        self.ranks: tuple[int, ...] = (0,)
+        # How the heartbeat thread makes a wait on this group raise: gloo only (an NCCL wait does not block).
+        self.breaker: Callable[[int], None] | None = None
+        if self.world_size > 1:
+            self.key = str((group or dist.group.WORLD).group_name)  # type: ignore[union-attr]
+            self.ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
+            if not nccl:
+                self.breaker = lambda peer: break_wait(self.group, peer, self.ranks)
 
     def new_channel(self) -> Comm:
         """A second group over the same ranks, sharing this one's byte counts.
@@ -231,8 +256,25 @@ class Comm:
 
     def _launch(self, what: str, kind: str, nbytes: int, fn: Any, *args: Any, **kwargs: Any) -> Pending:
         self.stats.add(kind, nbytes)
-        work = fn(*args, group=self.group, async_op=True, **kwargs)
-        return Pending(work, what, self.rank, self.timeout, stats=self.stats, op=kind)
+        seq = MONITOR.note(self.key, kind, what)
+        work = self._start(seq, what, lambda: fn(*args, group=self.group, async_op=True, **kwargs))
+        return Pending(work, what, self.rank, self.timeout, stats=self.stats, op=kind, channel=self, seq=seq)
+
+    def _pending(self, start: Callable[[], Any], what: str, kind: str) -> Pending:
+        """A control collective (not counted as traffic), numbered for the liveness records."""
+        seq = MONITOR.note(self.key, kind, what)
+        return Pending(self._start(seq, what, start), what, self.rank, self.timeout, channel=self, seq=seq)
+
+    def _start(self, seq: int, what: str, start: Callable[[], Any]) -> Any:
+        """``start()``: launch collective #``seq``; a group already broken raises CollectiveError here."""
+        try:
+            return start()
+        except RuntimeError as err:
+            token = MONITOR.block(self.key, seq, what, self.ranks, self.breaker)
+            try:
+                raise MONITOR.failure(token, err, self.rank, self.timeout, 0.0) from err
+            finally:
+                MONITOR.unblock(token)
 
     def all_reduce(
         self,
@@ -285,13 +327,23 @@ class Comm:
         if own.data_ptr() != shard.data_ptr():
             own.copy_(shard)
         tag = self._exchange_tag(n, shard.dtype)
-        works = []
-        for k in range(1, self.world_size):
-            dst, src = (rank + k) % self.world_size, (rank - k) % self.world_size
-            works.append(dist.isend(shard, group=self.group, group_dst=dst, tag=tag))
-            works.append(dist.irecv(full[src * n : (src + 1) * n], group=self.group, group_src=src, tag=tag))
+        seq = MONITOR.note(self.key, "all_gather", what)
+
+        def start() -> list[Any]:
+            works = []
+            for k in range(1, self.world_size):
+                dst, src = (rank + k) % self.world_size, (rank - k) % self.world_size
+                works.append(dist.isend(shard, group=self.group, group_dst=dst, tag=tag))
+                works.append(
+                    dist.irecv(full[src * n : (src + 1) * n], group=self.group, group_src=src, tag=tag)
+                )
+            return works
+
+        works = self._start(seq, what, start)
         self.stats.add("all_gather", nbytes)
-        return Pending(works, what, rank, self.timeout, stats=self.stats, op="all_gather")
+        return Pending(
+            works, what, rank, self.timeout, stats=self.stats, op="all_gather", channel=self, seq=seq
+        )
 
     def _exchange_reduce_scatter(
         self, output: torch.Tensor, full: torch.Tensor, what: str, nbytes: int
@@ -301,13 +353,21 @@ class Comm:
         # in ``output`` itself (a + b == b + a); with more, every peer's chunk in a buffer of its own.
         inbox = [output] if world == 2 else list(torch.empty((world - 1, n), dtype=output.dtype))
         tag = self._exchange_tag(n, output.dtype)
-        works = []
+        seq = MONITOR.note(self.key, "reduce_scatter", what)
         chunks: dict[int, torch.Tensor] = {rank: full[rank * n : (rank + 1) * n]}
-        for k in range(1, world):
-            dst, src = (rank + k) % world, (rank - k) % world
-            chunks[src] = inbox[k - 1]
-            works.append(dist.isend(full[dst * n : (dst + 1) * n], group=self.group, group_dst=dst, tag=tag))
-            works.append(dist.irecv(inbox[k - 1], group=self.group, group_src=src, tag=tag))
+
+        def start() -> list[Any]:
+            works = []
+            for k in range(1, world):
+                dst, src = (rank + k) % world, (rank - k) % world
+                chunks[src] = inbox[k - 1]
+                works.append(
+                    dist.isend(full[dst * n : (dst + 1) * n], group=self.group, group_dst=dst, tag=tag)
+                )
+                works.append(dist.irecv(inbox[k - 1], group=self.group, group_src=src, tag=tag))
+            return works
+
+        works = self._start(seq, what, start)
 
         def total() -> None:
             if world == 2:
@@ -318,7 +378,17 @@ class Comm:
                 output.add_(chunks[r])
 
         self.stats.add("reduce_scatter", nbytes)
-        return Pending(works, what, rank, self.timeout, stats=self.stats, op="reduce_scatter", then=total)
+        return Pending(
+            works,
+            what,
+            rank,
+            self.timeout,
+            stats=self.stats,
+            op="reduce_scatter",
+            then=total,
+            channel=self,
+            seq=seq,
+        )
 
     def _exchange_tag(self, numel: int, dtype: torch.dtype) -> int:
         """The next exchange's message tag: from its position in this group's sequence and its size, so that
@@ -345,18 +415,52 @@ class Comm:
         """Wait until every rank arrives (bounded by the timeout). Collective: call on all ranks."""
         if self.world_size == 1:
             return
-        Pending(dist.barrier(group=self.group, async_op=True), what, self.rank, self.timeout).wait()
+        self._pending(lambda: dist.barrier(group=self.group, async_op=True), what, "barrier").wait()
 
-    def all_gather_object(self, obj: Any) -> list[Any]:
-        """Every rank's picklable ``obj``, in rank order (small metadata only).
+    def all_gather_object(self, obj: Any, *, what: str = "all_gather_object") -> list[Any]:
+        """Every rank's picklable ``obj``, in rank order (small metadata only; the ranks of one job trust
+        each other's pickles, as ``torch.distributed.all_gather_object`` does).
 
+        Bounded by the timeout like every collective here: the sizes, then the padded bytes.
         Collective: call on all ranks.
         """
         if self.world_size == 1:
             return [obj]
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
+        data = pickle.dumps(obj)
+        sizes = [row[0] for row in self.agree_async([len(data)], what=f"{what} (sizes)").result()]
+        longest = max(sizes)
+        mine = torch.zeros(longest, dtype=torch.uint8)
+        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        mine = mine.to(self.device)
+        out = torch.empty(self.world_size * longest, dtype=torch.uint8, device=self.device)
+        self.stats.control_calls += 1
+        fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        self._pending(
+            lambda: fn(out, mine, group=self.group, async_op=True), what, "all_gather_object"
+        ).wait()
+        rows = out.cpu().view(self.world_size, longest)
+        return [pickle.loads(rows[r, : sizes[r]].numpy().tobytes()) for r in range(self.world_size)]
+
+    def check_entry(self, api: str, step: int | None) -> None:
+        """Raise :class:`CollectiveError` on every rank unless every rank entered ``api`` (one of
+        ``liveness.APIS``): a call on some ranks only is caught here by name when the others are in another
+        API, and by the heartbeat (see [Note: liveness]) when they are elsewhere. Collective: all ranks."""
+        if self.world_size == 1:
+            return
+        code = APIS.index(api)
+        rows = self.agree_async([code, -1 if step is None else step], what=f"{api} entry check").result()
+        if all(row[0] == code for row in rows):
+            return
+        by_api: dict[str, list[int]] = {}
+        for r, row in enumerate(rows):
+            name = APIS[row[0]] if 0 <= row[0] < len(APIS) else f"API #{row[0]}"
+            by_api.setdefault(f"{name} (step {row[1]})" if row[1] >= 0 else name, []).append(r)
+        sides = "; ".join(f"ranks {ranks} entered {name}" for name, ranks in by_api.items())
+        raise CollectiveError(
+            f"rank {self.rank}: the ranks called different collective APIs: {sides}. {api} is collective: "
+            "call it on every rank (not under `if rank == 0:`), in the same order as the other collective "
+            "calls"
+        )
 
     def agree(self, value: int, *, what: str) -> list[int]:
         """Every rank's ``value``, in rank order (one tiny fixed-size all-gather; not counted as traffic).
@@ -378,8 +482,8 @@ class Comm:
         mine = torch.tensor(values, dtype=torch.int64, device=self.device)
         out = torch.empty(self.world_size * len(values), dtype=torch.int64, device=self.device)
         fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        work = fn(out, mine, group=self.group, async_op=True)
-        return Agreement(Pending(work, what, self.rank, self.timeout), out.view(self.world_size, len(values)))
+        pending = self._pending(lambda: fn(out, mine, group=self.group, async_op=True), what, "agree")
+        return Agreement(pending, out.view(self.world_size, len(values)))
 
     def any_true(self, flags: torch.Tensor, *, what: str = "flag all_reduce") -> torch.Tensor:
         """Element-wise logical OR of a bool/uint8 tensor across ranks (small; not counted as model traffic).
@@ -390,8 +494,10 @@ class Comm:
             return flags
         self.stats.control_calls += 1
         buf = flags.to(device=self.device, dtype=torch.uint8)
-        work = dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
-        Pending(work, what, self.rank, self.timeout).wait()
+        reduce = dist.all_reduce
+        self._pending(
+            lambda: reduce(buf, op=dist.ReduceOp.MAX, group=self.group, async_op=True), what, "all_reduce"
+        ).wait()
         return buf.bool().to(flags.device)
 
     def sum_scalar(self, value: torch.Tensor, *, what: str = "scalar all_reduce") -> torch.Tensor:
@@ -400,6 +506,20 @@ class Comm:
             return value
         self.stats.control_calls += 1
         buf = value.to(self.device)
-        work = dist.all_reduce(buf, group=self.group, async_op=True)
-        Pending(work, what, self.rank, self.timeout).wait()
+        self._pending(
+            lambda: dist.all_reduce(buf, group=self.group, async_op=True), what, "all_reduce"
+        ).wait()
         return buf
+
+
+def break_wait(group: dist.ProcessGroup | None, peer: int, ranks: tuple[int, ...]) -> None:
+    """Make a gloo wait on ``group`` that can never complete raise now (called by the heartbeat thread,
+    see [Note: liveness]): a receive from ``peer`` (a global rank) that no one sends, timed out at once,
+    makes gloo close the group's connections, and every wait on the group raises. Local."""
+    try:
+        probe = torch.empty(1)
+        work = dist.irecv(probe, group=group, group_src=ranks.index(peer), tag=0x7EADBEEF)
+        if work is not None:
+            work.wait(timeout=datetime.timedelta(milliseconds=1))
+    except RuntimeError:
+        pass  # the timeout that breaks the group

@@ -117,10 +117,16 @@ def get_world_group() -> ProcessGroup:
 def barrier(
     group: ProcessGroup | None = None, async_op: bool = False, device_ids: list[int] | None = None
 ) -> object:
-    """``torch.distributed.barrier`` (does nothing without a process group). Collective: all ranks."""
+    """``torch.distributed.barrier`` (does nothing without a process group); a blocking one is bounded by
+    ``ZEROSHARD_COLLECTIVE_TIMEOUT_S`` and fails as zeroshard's collectives do. Collective: all ranks."""
     if not is_initialized():
         return None
-    return dist.barrier(group=group, async_op=async_op, device_ids=device_ids)
+    if async_op or device_ids is not None:
+        return dist.barrier(group=group, async_op=async_op, device_ids=device_ids)
+    from zeroshard.core.comm import Comm
+
+    Comm(group).barrier(what="deepspeed.comm.barrier")
+    return None
 
 
 def destroy_process_group(group: ProcessGroup | None = None) -> None:

@@ -37,7 +37,7 @@ class _IterationSchedule(LRScheduler):
         """DeepSpeed's iteration index of the lr now applied (-1 before the first step)."""
         return self.last_epoch - 1
 
-    def step(self, last_batch_iteration: int | None = None) -> None:  # type: ignore[override]
+    def step(self, last_batch_iteration: int | None = None) -> None:
         """Apply the lr of the next iteration, or of ``last_batch_iteration`` when given (DeepSpeed's
         signature: ``engine.step(lr_kwargs={"last_batch_iteration": k})`` jumps the schedule to k).
 
