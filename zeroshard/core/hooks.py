@@ -107,6 +107,7 @@ class ParameterGatherer:
         # Between the first backward hook of a step and end_backward: a module forward that runs now is a
         # recomputation (activation checkpointing), whose units backward needs next; see [Note: recompute].
         self._in_backward = False
+        self._backwards = 0  # backwards ended: a hook gathers once per backward (retain_graph)
         self._running: list[int] = []  # keys of the hooked modules whose forward is running, innermost last
         self._access: list[contextlib.ExitStack] = []  # one per running model forward, each a ParameterAccess
         self._param_units: dict[int, FlatUnit] | None = None
@@ -209,12 +210,13 @@ class ParameterGatherer:
                 if self._users[unit.index] == 0 and not self.schedule.reused_soon(unit):
                     unit.release()
             if torch.is_grad_enabled():
-                fired = [False]
+                fired = [-1]  # the backward that gathered for this output, counted by end_backward
 
                 def before_backward(grad: torch.Tensor) -> None:
                     self._in_backward = True
-                    if not fired[0]:
-                        fired[0] = True
+                    # Once per backward: a second backward through a retained graph gathers again.
+                    if fired[0] != self._backwards:
+                        fired[0] = self._backwards
                         self.gather(units)
 
                 for tensor in iter_tensors(output):
@@ -311,6 +313,7 @@ class ParameterGatherer:
                 unit.release()
         self._done.clear()
         self._in_backward = False
+        self._backwards += 1
         self.end_step()
 
     def end_forward(self, backward_follows: bool) -> None:
