@@ -9,5 +9,7 @@ Nothing here reads a config file, touches the file system or knows about DeepSpe
 - ``grad_sync``, ``hooks``, ``gather_check``, ``saved_views``: gradient reduction and stage-3 gathering.
 - ``param_access``, ``marks``: parameters used outside their module; leaf modules and declared externals.
 - ``optimizer``, ``precision``, ``loss_scaler``: the sharded optimizer step and its dtype policy.
-- ``comm``, ``buffers``, ``memory``: the one module that calls collectives, the buffer pool, the accounting.
+- ``comm``, ``pending``: the one module that calls collectives, and waiting for them (timeouts, counts).
+- ``liveness``, ``heartbeat``: which API and collective each rank is in, dead or stuck peers named.
+- ``buffers``, ``memory``: the buffer pool, the accounting.
 """

@@ -11,15 +11,6 @@ full output (Ψ). So a stage 0–2 training step moves 2Ψ and a stage-3 step 3�
 model's trainable parameters in the communication dtype. At world size 1 nothing is sent and nothing is
 counted.
 
-[Note: communication wait]
-``CommStats.wait_s_by_op`` is the wall time spent inside ``Pending.wait()`` of those same model-state
-collectives: how long the caller was blocked on communication, not how long the transfer took. Traffic that
-overlaps compute (``overlap_comm``) and finishes before it is waited for costs no wait at all, which is the
-point of overlapping. On gloo (CPU) ``wait()`` returns when the collective is done. On NCCL it only makes
-the current CUDA stream wait and returns at once, so the host-side wait is close to zero and the transfer's
-cost shows up in the timers that synchronize the device (``wall_clock_breakdown``). The small control
-collectives (overflow flags, norms, ``agree``) are neither counted nor timed.
-
 [Note: direct exchange]
 On gloo, :meth:`Comm.all_gather` and :meth:`Comm.reduce_scatter` do not call torch's
 ``all_gather_into_tensor`` / ``reduce_scatter_tensor``: each rank sends its shard (all-gather), or each
@@ -38,167 +29,35 @@ per rank per collective: right for data-parallel groups of a few to a few tens o
 from __future__ import annotations
 
 import datetime
-import os
 import pickle
-import time
 import zlib
-from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from zeroshard.core.liveness import APIS, MONITOR, CollectiveError, Token
+from zeroshard.core.liveness import APIS, MONITOR, CollectiveError
+from zeroshard.core.pending import (
+    DEFAULT_TIMEOUT,
+    DONE,
+    TIMEOUT_ENV,
+    Agreement,
+    CommStats,
+    Pending,
+    collective_timeout,
+)
 
-DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
-TIMEOUT_ENV = "ZEROSHARD_COLLECTIVE_TIMEOUT_S"
-
-
-def collective_timeout() -> datetime.timedelta:
-    """How long any collective may wait: ``$ZEROSHARD_COLLECTIVE_TIMEOUT_S`` seconds, else 10 minutes."""
-    raw = os.environ.get(TIMEOUT_ENV)
-    if raw is None:
-        return DEFAULT_TIMEOUT
-    try:
-        seconds = float(raw)
-    except ValueError:
-        raise ValueError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
-    if seconds <= 0:
-        raise ValueError(f"{TIMEOUT_ENV}={raw!r} must be > 0")
-    return datetime.timedelta(seconds=seconds)
-
-
-@dataclass
-class CommStats:
-    """Bytes moved and seconds waited, per kind of collective, since the last :meth:`reset`.
-
-    See [Note: communication volume] for how bytes are counted and [Note: communication wait] for what the
-    wait time measures.
-    """
-
-    bytes_by_op: Counter[str] = field(default_factory=Counter)
-    calls_by_op: Counter[str] = field(default_factory=Counter)
-    wait_s_by_op: dict[str, float] = field(default_factory=dict)
-    """Seconds spent blocked in ``Pending.wait()``, per kind of collective."""
-    control_calls: int = 0
-    """Small control collectives launched (flags, norms, agreements): counted; they carry no model state."""
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(self.bytes_by_op.values())
-
-    @property
-    def total_wait_s(self) -> float:
-        return sum(self.wait_s_by_op.values())
-
-    def add(self, op: str, nbytes: int) -> None:
-        self.bytes_by_op[op] += nbytes
-        self.calls_by_op[op] += 1
-
-    def add_wait(self, op: str, seconds: float) -> None:
-        self.wait_s_by_op[op] = self.wait_s_by_op.get(op, 0.0) + seconds
-
-    def reset(self) -> None:
-        self.bytes_by_op.clear()
-        self.calls_by_op.clear()
-        self.wait_s_by_op.clear()
-        self.control_calls = 0
-
-
-class Pending:
-    """A collective in flight; :meth:`wait` raises if it does not finish within the timeout.
-
-    ``work`` is one ``torch.distributed`` work handle or a list of them (a point-to-point exchange, see
-    [Note: direct exchange]); ``then`` runs once all of them are done (e.g. summing received chunks).
-    With ``stats``, the time :meth:`wait` blocks is added to ``stats`` under ``op`` (see
-    [Note: communication wait]). ``channel`` and ``seq`` (the launching :class:`Comm` and the collective's
-    number on its group) let a failed or stuck wait raise :class:`CollectiveError` naming the ranks that did
-    not arrive (see [Note: liveness] in liveness.py).
-    """
-
-    def __init__(
-        self,
-        work: Any,
-        what: str,
-        rank: int,
-        timeout: datetime.timedelta | None,
-        *,
-        stats: CommStats | None = None,
-        op: str = "",
-        then: Callable[[], None] | None = None,
-        channel: Comm | None = None,
-        seq: int = 0,
-    ) -> None:
-        self._work = work
-        self._what = what
-        self._rank = rank
-        self._timeout = timeout
-        self._stats = stats
-        self._op = op
-        self._then = then
-        self._channel = channel
-        self._seq = seq
-
-    def done(self) -> bool:
-        """Whether the collective has completed, without waiting (gloo's send/recv never say so)."""
-        works = self._work if isinstance(self._work, list) else [self._work]
-        return all(w is None or w.is_completed() for w in works)
-
-    def wait(self) -> None:
-        if self._work is None:
-            return
-        work, self._work = self._work, None
-        start = time.perf_counter()
-        try:
-            self._wait(work if isinstance(work, list) else [work])
-        finally:
-            if self._stats is not None:
-                self._stats.add_wait(self._op, time.perf_counter() - start)
-        if self._then is not None:
-            then, self._then = self._then, None
-            then()
-
-    def _wait(self, works: list[Any]) -> None:
-        start = time.monotonic()
-        deadline = None if self._timeout is None else start + self._timeout.total_seconds()
-        c = self._channel
-        token: Token | None = None
-        if c is not None:
-            token = MONITOR.block(c.key, self._seq, self._what, c.ranks, c.breaker)
-        try:
-            for work in works:
-                if deadline is None:
-                    work.wait()  # bounded by the process group's own timeout
-                else:
-                    work.wait(timeout=datetime.timedelta(seconds=max(0.001, deadline - time.monotonic())))
-        except RuntimeError as err:
-            if token is None:
-                raise CollectiveError(f"rank {self._rank}: {self._what} failed: {err}") from err
-            raise MONITOR.failure(token, err, self._rank, self._timeout, time.monotonic() - start) from err
-        finally:
-            if token is not None:
-                MONITOR.unblock(token)
-
-
-_DONE = Pending(None, "", 0, None)
-
-
-class Agreement:
-    """A launched :meth:`Comm.agree_async`: every rank's list of ints once :meth:`result` returns."""
-
-    def __init__(self, pending: Pending, rows: torch.Tensor) -> None:
-        self._pending = pending
-        self._rows = rows
-
-    def done(self) -> bool:
-        """Whether every rank's list has arrived (without waiting)."""
-        return self._pending.done()
-
-    def result(self) -> list[list[int]]:
-        self._pending.wait()
-        return self._rows.tolist()
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "TIMEOUT_ENV",
+    "Agreement",
+    "Comm",
+    "CommStats",
+    "Pending",
+    "break_wait",
+    "collective_timeout",
+]
 
 
 class Comm:
@@ -285,7 +144,7 @@ class Comm:
     ) -> Pending:
         """Reduce ``tensor`` in place across ranks. Collective: call on all ranks."""
         if self.world_size == 1:
-            return _DONE
+            return DONE
         nbytes = 2 * tensor.numel() * tensor.element_size()
         return self._launch(what, "all_reduce", nbytes, dist.all_reduce, tensor, op=op)
 
@@ -298,7 +157,7 @@ class Comm:
         """
         if self.world_size == 1:
             output.copy_(full)
-            return _DONE
+            return DONE
         nbytes = full.numel() * full.element_size()
         if self.direct:
             return self._exchange_reduce_scatter(output, full, what, nbytes)
@@ -313,7 +172,7 @@ class Comm:
         if self.world_size == 1:
             if full.data_ptr() != shard.data_ptr():
                 full.copy_(shard)
-            return _DONE
+            return DONE
         nbytes = full.numel() * full.element_size()
         if self.direct:
             return self._exchange_gather(full, shard, what, nbytes)
@@ -405,7 +264,7 @@ class Comm:
         if not 0 <= src < self.world_size:
             raise ValueError(f"{what}: source rank {src} is outside the group's {self.world_size} ranks")
         if self.world_size == 1:
-            return _DONE
+            return DONE
         root = dist.get_global_rank(self.group, src) if self.group is not None else src
         return self._launch(
             what, "broadcast", tensor.numel() * tensor.element_size(), dist.broadcast, tensor, src=root
@@ -477,7 +336,7 @@ class Comm:
         Every rank must pass a list of the same length. Collective: call on all ranks.
         """
         if self.world_size == 1:
-            return Agreement(_DONE, torch.tensor([values], dtype=torch.int64))
+            return Agreement(DONE, torch.tensor([values], dtype=torch.int64))
         self.stats.control_calls += 1
         mine = torch.tensor(values, dtype=torch.int64, device=self.device)
         out = torch.empty(self.world_size * len(values), dtype=torch.int64, device=self.device)
