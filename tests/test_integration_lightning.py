@@ -299,7 +299,7 @@ def test_built_configs_load_without_warnings(tmp_path: Path) -> None:
         config = dict(ZeroshardStrategy(**params).config, train_micro_batch_size_per_gpu=4)
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            loaded = load_config(config, world_size=2)
+            loaded = load_config(config, world_size=2, optimizer_given=True)  # the LightningModule's
         assert loaded.zero_optimization.stage == params.get("stage", 2), params
     assert loaded.aio.intra_op_parallelism == 1  # Lightning's thread_count, under its current name
 
