@@ -1,7 +1,7 @@
 """Step time of zeroshard stages 0-3 against DDP (and DeepSpeed) on a tiny MLP and the small GPT (#3, #18).
 
     .venv/bin/python bench/step_time.py                    # both models, DDP + zeroshard, 3 rounds (~6 min)
-    .venv/bin/python bench/step_time.py --deepspeed-python /work/dsvenv/bin/python   # DeepSpeed rows too
+    .venv/bin/python bench/step_time.py --deepspeed-python bench/.venv-peers/bin/python   # DeepSpeed rows too
     .venv/bin/python bench/step_time.py --models mlp      # only the tiny MLP
     .venv/bin/python bench/step_time.py --stage3-variants # also stage 3 at block granularity / DS defaults
     .venv/bin/python bench/step_time.py --profile zeroshard-stage2  # also cProfile rank 0 of that system
