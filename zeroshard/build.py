@@ -38,7 +38,8 @@ from zeroshard.engine import ZeroshardEngine
 from zeroshard.lr_schedules import build_scheduler
 from zeroshard.offload.setup import build_offload
 from zeroshard.optim_factory import build_optimizer, check_optimizer_for_stage
-from zeroshard.zero import TrainedParameters, install_state_dict_hooks
+from zeroshard.state_dict_hooks import install_state_dict_hooks
+from zeroshard.zero import TrainedParameters
 
 logger = logging.getLogger(__name__)
 

@@ -376,7 +376,7 @@ class ZeroshardEngine(DeepSpeedSurface, CheckpointMethods):
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The module's state dict with full tensors (copies, in the module's dtype, on its device), on every
-        rank. Collective at stage 3: call on all ranks (see [Note: local state_dict] in zero.py)."""
+        rank. Collective at stage 3: call on all ranks ([Note: local state_dict] in state_dict_hooks.py)."""
         with collective_api(self.comm, "full_state_dict", self.global_steps, check=self.gatherer is not None):
             with self.gathered_parameters():
                 return {key: value.detach().clone() for key, value in self.module.state_dict().items()}

@@ -4,12 +4,13 @@ waits for them, and on a failed or stuck wait raises the liveness records' :clas
 
 [Note: communication wait]
 ``CommStats.wait_s_by_op`` is the wall time spent inside ``Pending.wait()`` of the model-state collectives
-(comm.py [Note: communication volume]): how long the caller was blocked on communication, not how long the transfer took. Traffic that
-overlaps compute (``overlap_comm``) and finishes before it is waited for costs no wait at all, which is the
-point of overlapping. On gloo (CPU) ``wait()`` returns when the collective is done. On NCCL it only makes
-the current CUDA stream wait and returns at once, so the host-side wait is close to zero and the transfer's
-cost shows up in the timers that synchronize the device (``wall_clock_breakdown``). The small control
-collectives (overflow flags, norms, ``agree``) are neither counted nor timed.
+(comm.py [Note: communication volume]): how long the caller was blocked on communication, not how long the
+transfer took. Traffic that overlaps compute (``overlap_comm``) and finishes before it is waited for costs
+no wait at all, which is the point of overlapping. On gloo (CPU) ``wait()`` returns when the collective is
+done. On NCCL it only makes the current CUDA stream wait and returns at once, so the host-side wait is close
+to zero and the transfer's cost shows up in the timers that synchronize the device
+(``wall_clock_breakdown``). The small control collectives (overflow flags, norms, ``agree``) are neither
+counted nor timed.
 """
 
 from __future__ import annotations
