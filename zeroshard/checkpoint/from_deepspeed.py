@@ -20,7 +20,6 @@ import torch
 from zeroshard.checkpoint.deepspeed_format import DeepSpeedReader
 from zeroshard.checkpoint.errors import CheckpointError
 from zeroshard.checkpoint.format import (
-    EXTRA_FILE,
     FORMAT,
     METADATA_FILE,
     VERSION,
@@ -34,6 +33,7 @@ from zeroshard.checkpoint.format import (
     write_metadata,
 )
 from zeroshard.checkpoint.reader import SCALAR, VECTOR
+from zeroshard.checkpoint.save import write_extra
 from zeroshard.checkpoint.tensorfile import TensorSpec, fsync_dir, write_tensors
 
 
@@ -128,11 +128,7 @@ def _metadata(reader: DeepSpeedReader, tag: str, files: dict[str, Any], out: str
         "hf_config": None,
         "converted_from": {"format": "deepspeed", "path": reader.path},
     }
-    specs = [TensorSpec(k, t.dtype, tuple(t.shape)) for k, t in sink.items()]
-    record = write_tensors(
-        os.path.join(out, EXTRA_FILE), specs, list(sink.values()), {"format": "pt", "producer": FORMAT}
-    )
-    files[EXTRA_FILE] = {"bytes": record.nbytes, "sha256": record.sha256, "rank": None, "ranges": []}
+    write_extra(out, sink, files)
     return result
 
 

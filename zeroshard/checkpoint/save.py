@@ -298,12 +298,18 @@ def _metadata(
         "config": engine.config.to_dict(),
         "hf_config": _hf_config(engine.module),
     }
+    write_extra(directory, sink, files)
+    return meta
+
+
+def write_extra(directory: str, sink: dict[str, torch.Tensor], files: dict[str, Any]) -> None:
+    """Write the tensors collected in ``sink`` (frozen parameters, buffers, RNG states, client tensors) to
+    ``directory``'s extra file and record its size and checksum in ``files`` (metadata.json's file table)."""
     specs = [TensorSpec(k, t.dtype, tuple(t.shape)) for k, t in sink.items()]
     record = write_tensors(
         os.path.join(directory, EXTRA_FILE), specs, list(sink.values()), {"format": "pt", "producer": FORMAT}
     )
     files[EXTRA_FILE] = {"bytes": record.nbytes, "sha256": record.sha256, "rank": None, "ranges": []}
-    return meta
 
 
 def _module_entries(
