@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import os
 from typing import Any
 
 import pytest
@@ -176,27 +177,46 @@ class Divergent(nn.Module):
         self.a = nn.Linear(WIDTH, WIDTH)
         self.extra = nn.Linear(WIDTH, WIDTH, bias=False)  # another size than b: the data gathers differ too
         self.b = nn.Linear(WIDTH, WIDTH)
+        self.c = nn.Linear(WIDTH, WIDTH)  # b's size: gathering c against b would pair equal-sized shards
 
-    def forward(self, x: torch.Tensor, use_extra: bool) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, path: str) -> torch.Tensor:
         h = self.a(x)
-        if use_extra:
+        if path == "extra":
             h = self.extra(h)
+        elif path == "c":
+            h = self.c(h)
         return self.b(h).pow(2).mean()
 
 
-def divergent(rank: int, world_size: int) -> str:
+def divergent(rank: int, world_size: int, heartbeat: bool, other: str) -> str:
+    if not heartbeat:
+        os.environ["ZEROSHARD_HEARTBEAT_TIMEOUT_S"] = "0"
     model = Divergent()
     engine, _, _, _ = zeroshard.initialize(
         model=model, model_parameters=model.parameters(), config=_config(3)
     )
-    with pytest.raises(RuntimeError, match=r"same modules.*rank 0: unit 1 \(extra\.weight") as info:
-        engine(torch.randn(2, WIDTH), use_extra=rank == 0)
+    assert engine.comm.watched == heartbeat
+    with pytest.raises(RuntimeError, match="same modules") as info:
+        engine(torch.randn(2, WIDTH), path=other if rank == 0 else "")
     return str(info.value)
 
 
 def test_ranks_running_different_modules_get_a_clear_error() -> None:
-    messages = run_distributed(divergent, 2, collective_timeout=20)
-    assert "rank 1: unit 2 (b.weight, b.bias)" in messages[0]
+    # Without a heartbeat, the gather check (a small collective per burst of gathers) names the units.
+    messages = run_distributed(divergent, 2, False, "extra", collective_timeout=20)
+    for message in messages:
+        assert "rank 0: unit 1 (extra.weight)" in message, message
+        assert "rank 1: unit 2 (b.weight, b.bias)" in message, message
+    # With one, the exchanges of different units never pair (their tags differ, even where the shards are
+    # the same size), and the heartbeat names what each rank launched instead of the timeout.
+    for other, unit in (("extra", "unit 1 (extra.weight"), ("c", "unit 3 (c.weight")):
+        messages = run_distributed(divergent, 2, True, other, collective_timeout=60)
+        # The first rank to decide breaks the wait; the other's error carries that rank's reason.
+        for message in messages:
+            assert "issued different collectives at the same point" in message, message
+            assert f"parameter all_gather of {unit}" in message, message
+            assert "parameter all_gather of unit 2 (b.weight" in message, message
+            assert "did not complete within" not in message, message
 
 
 @dataclasses.dataclass

@@ -20,9 +20,11 @@ gloo's reduce-scatter copies its input in the caller and costs about an all-redu
 its all-gather of a transformer block's unit takes 2-3 times as long as the direct exchange on two cores
 (``bench/comm_ops.py``; docs/benchmarks.md). Each rank sends and receives (W-1)/W of the buffer, the
 ring algorithms' volume, and the bytes are counted as above. Messages are tagged with the exchange's
-position in this group's sequence and its size: ranks whose sequences diverged never pair messages of
-different sizes (gloo aborts the process on that), they wait and time out, and stage 3's gather check
-names the modules long before. NCCL groups keep NCCL's collectives. The direct exchange sends W-1 messages
+position in this group's sequence, its size and its ``what`` (the unit it moves): ranks whose sequences
+diverged never pair messages of different sizes (gloo aborts the process on that) nor the same-sized
+shards of different units (silently wrong parameters). They wait instead, and the heartbeat names the
+collectives each rank launched at that point within a few seconds (``liveness.judge``), or the timeout
+does where no heartbeat runs. NCCL groups keep NCCL's collectives. The direct exchange sends W-1 messages
 per rank per collective: right for data-parallel groups of a few to a few tens of CPU ranks.
 """
 
@@ -185,7 +187,7 @@ class Comm:
         own = full[rank * n : (rank + 1) * n]
         if own.data_ptr() != shard.data_ptr():
             own.copy_(shard)
-        tag = self._exchange_tag(n, shard.dtype)
+        tag = self._exchange_tag(n, shard.dtype, what)
         seq = MONITOR.note(self.key, "all_gather", what)
 
         def start() -> list[Any]:
@@ -201,7 +203,15 @@ class Comm:
         works = self._start(seq, what, start)
         self.stats.add("all_gather", nbytes)
         return Pending(
-            works, what, rank, self.timeout, stats=self.stats, op="all_gather", channel=self, seq=seq
+            works,
+            what,
+            rank,
+            self.timeout,
+            stats=self.stats,
+            op="all_gather",
+            channel=self,
+            seq=seq,
+            exchange=True,
         )
 
     def _exchange_reduce_scatter(
@@ -211,7 +221,7 @@ class Comm:
         # Chunks are summed in rank order, whichever rank sums them. With two ranks the peer's chunk lands
         # in ``output`` itself (a + b == b + a); with more, every peer's chunk in a buffer of its own.
         inbox = [output] if world == 2 else list(torch.empty((world - 1, n), dtype=output.dtype))
-        tag = self._exchange_tag(n, output.dtype)
+        tag = self._exchange_tag(n, output.dtype, what)
         seq = MONITOR.note(self.key, "reduce_scatter", what)
         chunks: dict[int, torch.Tensor] = {rank: full[rank * n : (rank + 1) * n]}
 
@@ -247,13 +257,23 @@ class Comm:
             then=total,
             channel=self,
             seq=seq,
+            exchange=True,
         )
 
-    def _exchange_tag(self, numel: int, dtype: torch.dtype) -> int:
-        """The next exchange's message tag: from its position in this group's sequence and its size, so that
-        ranks whose sequences diverged never pair up messages of different sizes (they wait, and time out)."""
+    def _exchange_tag(self, numel: int, dtype: torch.dtype, what: str) -> int:
+        """The next exchange's message tag: from its position in this group's sequence, its size and what it
+        moves, so that ranks whose sequences diverged never pair up their messages (they wait, and the
+        heartbeat or the timeout names why). ``what`` must be the same on every rank."""
         self._exchanges += 1
-        return zlib.crc32(f"{self._exchanges}:{numel}:{dtype}".encode()) & 0x7FFFFFFF
+        return zlib.crc32(f"{self._exchanges}:{numel}:{dtype}:{what}".encode()) & 0x7FFFFFFF
+
+    @property
+    def watched(self) -> bool:
+        """Whether a wait on exchanges that the ranks issued differently fails within seconds, named, rather
+        than only at the timeout: a heartbeat runs (see [Note: liveness]). The same on every rank from the
+        heartbeat's start (collective) to its halt; should its store fail later, such a wait falls back
+        to the timeout."""
+        return self.direct and self.breaker is not None and MONITOR.link is not None
 
     def broadcast_from_first(self, tensor: torch.Tensor, *, what: str = "broadcast") -> Pending:
         """Overwrite ``tensor`` with the group's first rank's copy. Collective: call on all ranks."""

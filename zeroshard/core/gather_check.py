@@ -1,14 +1,20 @@
 """Stage 3's check that every rank is about to gather the same units.
 
 [Note: gather check]
-Every burst of parameter gathers (the units a module needs now plus those prefetched with them) comes with a
-small fixed-size collective: each rank's [fingerprint, count, first ``SHOWN`` unit indices]. Ranks that took
-different paths through the model (data-dependent control flow) meet in it, since it always matches in
-size, and every rank raises the same error naming the units each rank was about to gather, instead of
-pairing up collectives of different sizes. On gloo the check is launched with the data and verified before
-the units are used, so its round trip overlaps the data's: the data moves in point-to-point messages tagged
-with their size, which ranks on different paths never pair up (comm.py [Note: direct exchange]). NCCL runs
-collectives of different sizes without noticing, so there the check is verified before the data moves.
+Ranks that took different paths through the model (data-dependent control flow) would pair up
+collectives that move different units. Two safeguards name the modules instead:
+
+* On gloo with a heartbeat running (``Comm.watched``), nothing is sent: the direct exchanges are tagged
+  with the unit they move (comm.py [Note: direct exchange]), so messages of different units never pair,
+  and the heartbeat, once the waits have lasted its grace (about 2 s), names the unit each rank launched
+  at that point (``liveness.judge``).
+* Otherwise (NCCL, the heartbeat off, or its store gone) every burst of parameter gathers (the units a
+  module needs now plus those prefetched with them) comes with a small fixed-size collective: each rank's
+  [fingerprint, count, first ``SHOWN`` unit indices]. It always matches in size, so the ranks meet in it
+  and every rank raises the same error naming the units each rank was about to gather. On gloo it is
+  launched with the data and verified before the units are used, so its round trip overlaps the data's.
+  NCCL runs collectives of different sizes without noticing, so there it is verified before the data
+  moves.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from zeroshard.core.comm import Agreement, Comm
+from zeroshard.core.liveness import STAGE3_ADVICE
 
 # How many unit indices a check carries, so that a mismatch can name them without another collective.
 SHOWN = 6
@@ -31,9 +38,14 @@ class GatherChecks:
         self.comm = comm
         self._describe = describe
         self._unverified: list[tuple[Agreement, set[int]]] = []  # with the unit indices each covers
+        # Decided once, the same on every rank (the heartbeat started, or not, before the units existed).
+        self._watched = comm.watched
 
     def launch(self, indices: list[int]) -> None:
-        """Launch the check of a burst gathering ``indices``; on NCCL, verify it before returning."""
+        """Launch the check of a burst gathering ``indices``; on NCCL, verify it before returning. Nothing
+        where the heartbeat watches the group's exchanges (``Comm.watched`` when the checks were made)."""
+        if self._watched:
+            return
         shown = indices[:SHOWN] + [-1] * (SHOWN - len(indices[:SHOWN]))
         check = self.comm.agree_async(
             [_sequence_key(indices), len(indices), *shown], what="stage-3 gather check"
@@ -66,12 +78,8 @@ class GatherChecks:
             for r, row in enumerate(rows)
         )
         return (
-            f"rank {self.comm.rank}: ZeRO stage 3 needs every rank to run the same modules in the same "
-            f"order, but the ranks are about to gather different parameters ({by_rank}). A module that "
-            "runs on some ranks only (data-dependent control flow) must not be gathered on its own: keep "
-            "its parameters full with stage3_param_persistence_threshold >= its size, or gather it "
-            "with a module every rank runs (zeroshard.set_z3_leaf_modules(model, [ParentClass]) or "
-            "zeroshard.register_external_parameter(parent, param))"
+            f"rank {self.comm.rank}: the ranks are about to gather different parameters ({by_rank}). "
+            + STAGE3_ADVICE
         )
 
 

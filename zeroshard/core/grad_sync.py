@@ -38,7 +38,9 @@ is known to have launched it. Waiting for one that a peer has not launched can d
 lacks a gradient (a parameter unused on that rank) launches it only at the end of its backward, which may
 need this rank's next parameter gather. So each launch also launches a tiny collective, a marker, on the
 same group; a marker completes only when every rank has launched its reduction, and completion is polled,
-never waited for. Every rank launches the same markers in the same order (one per group's reduction).
+never waited for. Every rank launches the same markers in the same order: one per group's reduction, except
+for the last ``MAX_INFLIGHT`` groups, which are never the oldest beyond the bound before the end of
+backward waits for every reduction.
 Where parameters are not gathered in backward (stages 0-2) a peer reaches every launch without waiting for
 this rank, so there is no marker: the oldest reduction beyond ``MAX_INFLIGHT`` is waited for at once, which
 bounds stage 2's buckets by the unit size times ``MAX_INFLIGHT + 1`` whatever the model's size.
@@ -403,7 +405,10 @@ class GradientReducer:
         marker = None
         # Only where a rank's backward gathers parameters (stage 3) can waiting for a peer's launch
         # deadlock; elsewhere the oldest reduction is simply waited for ([Note: bounded reductions]).
-        if self.overlap_comm and held and self.plan.shard_parameters:
+        # Only a group with more than MAX_INFLIGHT groups after it can be the oldest beyond the bound: the
+        # last ones are waited for at the end of backward, markers or not (the same groups on every rank).
+        early = group.index < len(self.groups) - MAX_INFLIGHT
+        if self.overlap_comm and held and self.plan.shard_parameters and early:
             marker = self.comm.agree_async([self._next], what=f"reduction marker of {names}")
         self._inflight.append((marker, pending, then, held))
         self._inflight_bytes += held

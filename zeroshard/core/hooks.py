@@ -26,9 +26,8 @@ The order in which units are needed is recorded every step; the next step prefet
 that the prefetch would gather again at once (the last modules of the forward, first in the backward) is
 kept instead of released (``prefetch.py``, [Note: prefetch schedule]). Every rank gathers in the same
 order because every rank runs the same modules.
-Each burst of gathers comes with a small fixed-size check of what every rank is gathering
-(``gather_check.py``, [Note: gather check]): ranks that run different modules raise an error naming each
-rank's units instead of pairing different collectives. Full buffers come from the engine's
+Ranks that run different modules raise an error naming each rank's units instead of pairing different
+collectives (``gather_check.py``, [Note: gather check]). Full buffers come from the engine's
 :class:`~zeroshard.core.buffers.BufferPool` and go back to it on release.
 """
 

@@ -64,8 +64,9 @@ class CollectiveError(RuntimeError):
 
 
 # A wait in progress: (group key, sequence number, what, api, step, since, global ranks of the group, a
-# function that makes the wait raise when given a peer's global rank, or None)
-Token = tuple[str, int, str, str, "int | None", float, tuple[int, ...], "Callable[[int], None] | None"]
+# function that makes the wait raise when given a peer's global rank, or None, whether it is a direct
+# exchange: point-to-point messages tagged with what they carry, see comm.py [Note: direct exchange])
+Token = tuple[str, int, str, str, "int | None", float, tuple[int, ...], "Callable[[int], None] | None", bool]
 
 
 class Comm(Protocol):
@@ -131,6 +132,15 @@ class Monitor:
         self.ring.append((key, seq, f"{op}: {what}" if op and op not in what else what, name, step))
         return seq
 
+    def ring_copy(self) -> list[tuple[str, int, str, str, int | None]]:
+        """A copy of the ring, safe to take from another thread while this one appends to it."""
+        for _ in range(5):
+            try:
+                return list(self.ring)
+            except RuntimeError:  # mutated while copied
+                continue
+        return []
+
     def api(self, name: str, step: int | None = None) -> _Api:
         return _Api(self, name, step)
 
@@ -139,10 +149,16 @@ class Monitor:
         return self.apis[0] if self.apis else ("", None)
 
     def block(
-        self, key: str, seq: int, what: str, ranks: tuple[int, ...], breaker: Callable[[int], None] | None
+        self,
+        key: str,
+        seq: int,
+        what: str,
+        ranks: tuple[int, ...],
+        breaker: Callable[[int], None] | None,
+        exchange: bool = False,
     ) -> Token:
         name, step = self.where()
-        token: Token = (key, seq, what, name, step, time.monotonic(), ranks, breaker)
+        token: Token = (key, seq, what, name, step, time.monotonic(), ranks, breaker, exchange)
         self.blocked = token
         return token
 
@@ -184,7 +200,7 @@ class Monitor:
         self, token: Token, err: BaseException, rank: int, timeout: datetime.timedelta | None, waited: float
     ) -> CollectiveError:
         """The error a failed or timed-out wait raises (see [Note: liveness]); publishes it to the peers."""
-        key, seq, what, api, step, _, ranks, _ = token
+        key, seq, what, api, step, _, ranks, _, _ = token
         verdict = self.verdict[1] if self.verdict is not None and self.verdict[0] is token else None
         self.verdict = None
         text = str(err)
@@ -199,7 +215,9 @@ class Monitor:
         elif timed_out:
             reason = f"did not complete within {timeout} ({TIMEOUT_HINT})"
         else:
-            reason = f"failed: {text}"
+            # A peer that judged first broke the connection: its states may still say why.
+            why = judge(self, token, states, 0.0) if states else None
+            reason = f"failed: {text}" + (f"\nwhy, from the peers' states: {why}" if why else "")
         peers = [r for r in ranks if r != rank]
         if link is None:
             missing = "which ranks did not arrive is unknown (no heartbeat: world size 1 or heartbeat off)"
@@ -215,6 +233,15 @@ class Monitor:
         lines = [head, f"{missing}.", *notes, last_collectives(states)]
         return CollectiveError("\n".join(line for line in lines if line))
 
+
+# Why stage-3 ranks gather different parameters, and what to do about it (see zeroshard/core/hooks.py).
+STAGE3_ADVICE = (
+    "ZeRO stage 3 needs every rank to run the same modules in the same order. A module that runs on some "
+    "ranks only (data-dependent control flow) must not be gathered on its own: keep its parameters full "
+    "with stage3_param_persistence_threshold >= its size, or gather it with a module every rank runs "
+    "(zeroshard.set_z3_leaf_modules(model, [ParentClass]) or "
+    "zeroshard.register_external_parameter(parent, param))"
+)
 
 TIMEOUT_HINT = (
     "ZEROSHARD_COLLECTIVE_TIMEOUT_S; another rank is alive but did not arrive: a hang or a slow rank"
@@ -274,6 +301,15 @@ def judge(monitor: Monitor, b: Token, states: dict[int, dict[str, Any]], grace: 
         if not theirs or theirs["for_s"] < grace:
             continue
         other = _launched_as(state, key, seq)
+        mine = _launched_as({"ring": monitor.ring_copy()}, key, seq) if b[8] else None
+        if other is not None and mine is not None and other[3] == api and other[2] != mine[2]:
+            # Exchange messages carry a tag made from what they move, so these never pair up.
+            advice = STAGE3_ADVICE if "parameter all_gather" in mine[2] + other[2] else ""
+            return (
+                f"rank {r} launched collective #{seq} on group {key} as {other[2]!r}, this rank as "
+                f"{mine[2]!r}: the ranks took different paths through the program and issued different "
+                f"collectives at the same point. {advice}"
+            ).rstrip()
         if other is not None and other[3] != api:
             return (
                 f"rank {r} launched collective #{seq} on group {key} in {other[3] or 'no API'} ({other[2]}), "

@@ -114,6 +114,7 @@ class Pending:
         then: Callable[[], None] | None = None,
         channel: Channel | None = None,
         seq: int = 0,
+        exchange: bool = False,
     ) -> None:
         self._work = work
         self._what = what
@@ -124,6 +125,7 @@ class Pending:
         self._then = then
         self._channel = channel
         self._seq = seq
+        self._exchange = exchange  # a direct exchange: see comm.py [Note: direct exchange]
 
     def done(self) -> bool:
         """Whether the collective has completed, without waiting (gloo's send/recv never say so)."""
@@ -150,7 +152,7 @@ class Pending:
         c = self._channel
         token: Token | None = None
         if c is not None:
-            token = MONITOR.block(c.key, self._seq, self._what, c.ranks, c.breaker)
+            token = MONITOR.block(c.key, self._seq, self._what, c.ranks, c.breaker, self._exchange)
         try:
             for work in works:
                 if deadline is None:
