@@ -364,8 +364,26 @@ def test_records_judgement_and_table_without_processes(monkeypatch: pytest.Monke
     failed[1]["failed"] = "rank 1: boom"
     assert judge(me, token, failed, grace=0.5) == "rank 1 failed: rank 1: boom"
 
+    # Both ranks launched exchange #2 on group 2 in the same API, moving different units: their tagged
+    # messages never pair, so it is named; not for a collective that is not an exchange, whose
+    # description may differ while it still completes.
+    with me.api("engine.forward", 3):
+        me.note("2", "all_gather", "parameter all_gather of unit 0 (a.weight, ...)")
+        me.note("2", "all_gather", "parameter all_gather of unit 1 (extra.weight, ...)")
+        exchange = me.block("2", 2, "parameter all_gather of unit 1", (0, 1), None, exchange=True)
+        other = me.block("2", 2, "parameter all_gather of unit 1", (0, 1), None, exchange=False)
+    theirs = [["2", 2, "parameter all_gather of unit 2 (b.weight, ...)", "engine.forward", 3]]
+    blocked = {"key": "2", "seq": 2, "what": "b", "api": "engine.forward", "step": 3, "for_s": 1.0}
+    why = judge(me, exchange, peer({"2": 2}, theirs, blocked), grace=0.5)
+    assert why is not None and "as 'parameter all_gather of unit 2 (b.weight, ...)'" in why, why
+    assert "this rank as 'parameter all_gather of unit 1 (extra.weight, ...)'" in why
+    assert "same modules" in why
+    assert judge(me, other, peer({"2": 2}, theirs, blocked), grace=0.5) is None
+    same = [["2", 2, "parameter all_gather of unit 1 (extra.weight, ...)", "engine.forward", 3]]
+    assert judge(me, exchange, peer({"2": 2}, same, blocked), grace=0.5) is None
+
     table = last_collectives({0: {"ring": list(me.ring)}, 1: {"ring": ring}})
     lines = table.splitlines()
     assert lines[1].split("|")[0].strip() == "rank 0" and lines[1].split("|")[1].strip() == "rank 1"
-    assert "#4 g0 save_checkpoint: agree: save_checkpo" in lines[-1]
+    assert "#4 g0 save_checkpoint: agree: save_checkpo" in lines[-3]
     assert "#4 g0 engine.backward: reduce_scatter: grad" in lines[-1]

@@ -215,8 +215,10 @@ class Monitor:
         elif timed_out:
             reason = f"did not complete within {timeout} ({TIMEOUT_HINT})"
         else:
-            # A peer that judged first broke the connection: its states may still say why.
-            why = judge(self, token, states, 0.0) if states else None
+            # A peer that judged first broke the connection: unless it published its failure (shown
+            # below), its state may still say why.
+            failed = any(state.get("failed") for state in states.values())
+            why = judge(self, token, states, 0.0) if states and not failed else None
             reason = f"failed: {text}" + (f"\nwhy, from the peers' states: {why}" if why else "")
         peers = [r for r in ranks if r != rank]
         if link is None:
