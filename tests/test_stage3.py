@@ -15,6 +15,7 @@ from torch import nn
 
 import zeroshard
 from tests.distributed import run_distributed
+from zeroshard.core import grad_sync
 
 WIDTH = 32
 
@@ -100,14 +101,22 @@ def volume_and_memory(rank: int, world_size: int) -> dict[str, Any]:
             engine.memory_breakdown().cached_buffers == pool.idle_bytes > 0,
         )
     # grad_sync.py [Note: gradient flow]: consecutive units share one reduce-scatter, in buckets of at most
-    # reduce_bucket_size elements and never more than the largest unit (here a head of three blocks).
-    for bucket_blocks in (None, 2):
+    # reduce_bucket_size elements and never more than the largest unit (here a head of three blocks) or
+    # SMALL_BUCKET_ELEMENTS (0 here, so that the largest unit bounds the groups; "small": as shipped, which
+    # puts this whole small model in one group).
+    for bucket_blocks in (None, 2, "small"):
         torch.manual_seed(0)
         model = nn.Sequential(*_blocks(8), nn.Linear(WIDTH, 3 * WIDTH))
-        zero = {} if bucket_blocks is None else {"reduce_bucket_size": bucket_blocks * block // 4}
-        engine, _, _, _ = zeroshard.initialize(
-            model=model, model_parameters=model.parameters(), config=_config(3, **zero)
-        )
+        zero = {"reduce_bucket_size": bucket_blocks * block // 4} if isinstance(bucket_blocks, int) else {}
+        small = grad_sync.SMALL_BUCKET_ELEMENTS
+        if bucket_blocks != "small":
+            grad_sync.SMALL_BUCKET_ELEMENTS = 0
+        try:
+            engine, _, _, _ = zeroshard.initialize(
+                model=model, model_parameters=model.parameters(), config=_config(3, **zero)
+            )
+        finally:
+            grad_sync.SMALL_BUCKET_ELEMENTS = small
         _step(engine, rank)
         engine.comm.stats.reset()
         # Each unit's parameters are released once its own gradients are in the bucket: how many
@@ -159,6 +168,8 @@ def test_three_psi_bounded_gathered_memory_and_module_api(world_size: int) -> No
     assert result["groupedNone"] == ({"all_gather": 18, "reduce_scatter": 4}, True, [1, 3, 3, 2], released)
     released = [0, 1, 1, 2, 2, 3, 3, 4, 4]
     assert result["grouped2"] == ({"all_gather": 18, "reduce_scatter": 5}, True, [1, 2, 2, 2, 2], released)
+    # One group for the whole model: one reduce-scatter; each unit still released as its gradients arrive.
+    assert result["groupedsmall"] == ({"all_gather": 18, "reduce_scatter": 1}, True, [9], [0] * 9)
     for prefetch in (False, True):
         steps = result[f"pool_steps_prefetch{prefetch}"]
         assert all(raised for missed, raised in steps if missed), steps  # no churn

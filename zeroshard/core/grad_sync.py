@@ -13,7 +13,8 @@ parameter's unit and drops ``param.grad``, so autograd's full-size gradients nev
   rank's slice is added into its ``unit.grad_shard`` (fp32 accumulation over micro-steps), and the bucket
   is dropped. The bucket is laid out rank by rank so that one collective serves the whole group
   (layout.py, [Note: coalesced reduction]); a unit larger than the bucket size is a group of its own, and
-  stage 2's units are already bucket-sized, so there each group is one unit. A group that is exactly one
+  no group is larger than the largest unit or ``SMALL_BUCKET_ELEMENTS``, whichever is larger (so stage 2's
+  bucket-sized units are one to a group). A group that is exactly one
   parameter without padding (a large embedding) takes autograd's gradient itself as its bucket when nothing
   else holds it: no bucket beside a gradient of the same size, no copy. At stage 3 a unit's
   parameters are released as soon as its gradients are in the bucket, not when the bucket is reduced.
@@ -59,6 +60,10 @@ from zeroshard.core.flat_param import FlatUnit
 from zeroshard.core.layout import GroupLayout
 from zeroshard.core.reduction_groups import Averaging, ReductionGroup, group_units
 from zeroshard.core.stages import StagePlan
+
+# Units smaller than this share a reduction group up to this many elements (4 MiB of fp32 gradients),
+# within reduce_bucket_size: each reduce-scatter's fixed cost is paid once for many small modules.
+SMALL_BUCKET_ELEMENTS = 1 << 20
 
 # With overlap_comm, how many group reductions may stay in flight while backward goes on, beyond which the
 # oldest is waited for when that is safe ([Note: bounded reductions]).
@@ -113,10 +118,11 @@ class GradientReducer:
         self.overlap_comm = overlap_comm
         # Launch order: reverse registration order (see [Note: gradient flow]), in groups.
         order = sorted(self.units, key=lambda u: -u.index)
-        # No group's bucket is larger than the largest unit's: coalescing merges small units, it never
-        # raises the bucket memory that reducing unit by unit needs anyway.
+        # No group's bucket is larger than the largest unit's, or SMALL_BUCKET_ELEMENTS where every unit is
+        # smaller: coalescing merges small units, it never raises the bucket memory that reducing unit by
+        # unit needs anyway by more than a few MiB, and a model of small modules pays fewer collectives.
         largest = max((u.layout.padded for u in self.units if not u.keeps_full_grad), default=0)
-        bucket_elements = min(bucket_elements, largest)
+        bucket_elements = min(bucket_elements, max(largest, SMALL_BUCKET_ELEMENTS))
         self.groups = [
             ReductionGroup(g, tuple(us), GroupLayout(tuple(u.layout.shard_size for u in us), comm.world_size))
             for g, us in enumerate(group_units(order, max(1, bucket_elements)))
