@@ -12,16 +12,16 @@ the training path.
 
 Only while a collective wait has lasted longer than ``grace`` does the thread read its peers: a peer whose
 counter has not moved for the heartbeat window is dead (a stopped process or a vanished host, which closes
-no connection); a peer that failed is named; and a peer blocked on a collective this rank never
-launched, while this rank waits on one that peer never launched, waits for this rank as this rank waits
-for it (e.g. rank 0 in ``save_checkpoint`` while rank 1 trains on), as does a peer that launched this
-rank's collective from another API, or, for a direct exchange, moving another unit: exchange messages are
-tagged with what they move (comm.py [Note: direct exchange]), so those never pair (``judge``). The thread then records the reason
-and breaks the wait (on gloo: an unmatched receive on the same group, timed out at once, makes gloo close
-the group's connections), and the waiting thread raises :class:`CollectiveError` with that reason. A crashed
-peer closes its connections itself; the error then waits a few heartbeats to say which peer stopped
-beating. A live peer that never arrives fails at ``ZEROSHARD_COLLECTIVE_TIMEOUT_S``. Every error carries
-the last collectives of every rank that can be read, side by side.
+no connection); a peer that failed is named; and a peer blocked on a collective this rank never launched,
+while this rank waits on one that peer never launched, waits for this rank as this rank waits for it (e.g.
+rank 0 in ``save_checkpoint`` while rank 1 trains on), as does a peer that launched this rank's collective
+from another API, or, for a direct exchange, moving another unit: exchange messages are tagged with what
+they move (comm.py [Note: direct exchange]), so those never pair (``judge``). The thread then records the
+reason and breaks the wait (on gloo: an unmatched receive on the same group, timed out at once, makes gloo
+close the group's connections), and the waiting thread raises :class:`CollectiveError` with that reason. A
+crashed peer closes its connections itself; the error then waits a few heartbeats to say which peer stopped
+beating. A live peer that never arrives fails at ``ZEROSHARD_COLLECTIVE_TIMEOUT_S``. Every error carries the
+last collectives of every rank that can be read, side by side.
 """
 
 from __future__ import annotations
