@@ -229,9 +229,8 @@ class ParameterGatherer:
         """Make ``units`` gathered, prefetching what came next last step. Collective: all ranks."""
         units = list(units)
         missing = [u for u in units if not u.gathered and u.index not in self._done]
-        # The order records each unit where it is needed, whether a prefetch brought it or it was kept
-        # gathered since its last use: a kept unit left out would not be kept in the next step.
-        needed = [u for u in units if u.index not in self._done]
+        # The order records each unit where it is needed, whether a prefetch already brought it or not.
+        needed = [u for u in units if u in missing or u.index in self._prefetched]
         self._prefetched.difference_update(u.index for u in needed)
         self.schedule.record(needed)
         # One check for the units needed now and the ones prefetched with them.
