@@ -79,8 +79,8 @@ def volume_and_memory(rank: int, world_size: int) -> dict[str, Any]:
             _step(engine, rank)
         out[f"peak_blocks_prefetch{prefetch > 0}"] = engine.gatherer.peak_gathered_bytes / block
         # buffers.py [Note: buffer reuse]: a step allocates a buffer only when it needs more buffers live at
-        # once than any step before (how many are in flight depends on timing), never to replace an idle
-        # one; holding the whole model once leaves the pool no larger than the steps need.
+        # once than any step before, or to replace one trimmed before the last backward's end (hooks.py);
+        # holding the whole model once leaves the pool no larger than the steps need.
         pool = engine.reducer.pool
         steps, buckets = [], []
         for _ in range(8):
@@ -158,10 +158,12 @@ def test_three_psi_bounded_gathered_memory_and_module_api(world_size: int) -> No
     assert result["groupedNone"] == ({"all_gather": 18, "reduce_scatter": 4}, True, [1, 3, 3, 2], released)
     released = [0, 1, 1, 2, 2, 3, 3, 4, 4]
     assert result["grouped2"] == ({"all_gather": 18, "reduce_scatter": 5}, True, [1, 2, 2, 2, 2], released)
+    # hooks.py [Note: trim before the backward's end]: the pool lets go of what the next forward does not
+    # need before the backward's last unit, so a step allocates again what that trim let go of: a few
+    # buffers, fewer than one per block (no churn inside the step), the same whatever the load.
     for prefetch in (False, True):
         steps = result[f"pool_steps_prefetch{prefetch}"]
-        assert all(raised for missed, raised in steps if missed), steps  # no churn
-        assert sum(missed == 0 for missed, _ in steps) >= 4, steps  # on a quiet machine: all 8
+        assert all(missed < 8 for missed, _ in steps), steps
     assert result["pool_after_hold_prefetchFalse"] == result["pool_after_hold_prefetchTrue"] == (True,) * 2
     print(
         f"peak gathered blocks of 8: {result['peak_blocks_prefetchFalse']:.2f} without prefetch, "

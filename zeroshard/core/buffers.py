@@ -25,6 +25,9 @@ Invariants:
   peak, and a training step, which repeats the same requests every step, finds every buffer idle after
   the first steps: no page faults, no unmapping, across steps too (nothing is trimmed between steps; the
   idle bytes are reported by ``engine.memory_breakdown().cached_buffers``).
+* The caller may let go of idle buffers early with :meth:`BufferPool.shrink` (the gatherer does it before
+  the last units of a stage-3 backward: [Note: trim before the backward's end] in ``hooks.py``); later
+  requests then allocate again, up to the same bounds.
 * Requests made under :meth:`BufferPool.exempt` (the whole model gathered for generation or export) do not
   raise the high-water mark, so a one-off demand never makes the pool keep that much idle afterwards.
 """
@@ -170,6 +173,12 @@ class BufferPool:
     def clear(self) -> None:
         """Let go of every given-back buffer."""
         self._trim(0)
+
+    def shrink(self, keep_bytes: int) -> None:
+        """Let go of given-back buffers, oldest first, until they hold at most ``keep_bytes``: before a
+        stretch of the step that requests less than the pool holds idle (see [Note: trim before the
+        backward's end])."""
+        self._trim(max(0, keep_bytes))
 
     def _trim(self, limit: int) -> None:
         while self._returned and self._returned_bytes > limit:

@@ -329,9 +329,14 @@ class GradientReducer:
         then()
         self._inflight_bytes -= nbytes
 
-    def _retire_safely(self) -> None:
-        """Wait for the oldest reductions beyond ``MAX_INFLIGHT`` that every rank has launched."""
-        while len(self._inflight) > MAX_INFLIGHT:
+    def retire_launched(self) -> None:
+        """Wait for the oldest reductions in flight as long as every rank has launched them (never for one a
+        peer may not have launched yet: [Note: bounded reductions]); their buckets go back to the pool."""
+        self._retire_safely(limit=0)
+
+    def _retire_safely(self, limit: int = MAX_INFLIGHT) -> None:
+        """Wait for the oldest reductions beyond ``limit`` that every rank has launched."""
+        while len(self._inflight) > limit:
             marker = self._inflight[0][0]
             if marker is not None and not marker.done():
                 return
