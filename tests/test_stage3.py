@@ -76,6 +76,7 @@ def volume_and_memory(rank: int, world_size: int) -> dict[str, Any]:
             config=_config(3, stage3_prefetch_bucket_size=prefetch, reduce_bucket_size=WIDTH * WIDTH + WIDTH),
         )
         for _ in range(3):
+            shrunk = engine.reducer.pool.shrunk  # before the last of these steps, for the loop below
             _step(engine, rank)
         out[f"peak_blocks_prefetch{prefetch > 0}"] = engine.gatherer.peak_gathered_bytes / block
         # buffers.py [Note: buffer reuse]: a step allocates a buffer only when it needs more buffers live at
@@ -83,7 +84,6 @@ def volume_and_memory(rank: int, world_size: int) -> dict[str, Any]:
         # holding the whole model once leaves the pool no larger than the steps need.
         pool = engine.reducer.pool
         steps, buckets = [], []
-        shrunk = pool.shrunk
         for _ in range(8):
             misses, high, shrunk_before = pool.misses, pool.high_water_bytes, pool.shrunk
             engine.reducer.peak_bucket_bytes = 0
