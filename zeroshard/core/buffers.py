@@ -20,14 +20,15 @@ Invariants:
   as soon as its last user lets go. Buffers the pool did not hand out are never kept.
 * The pool's footprint, given back plus handed out, stays within the high-water mark (the most bytes ever
   handed out at one time) plus ``spare_bytes``: idle buffers fill the room that the step's own peak of live
-  buffers leaves, plus a little (the engine sets one of its largest units), never more. The oldest idle
-  buffers are freed first when room is needed. So the pool adds at most ``spare_bytes`` to the process's
-  peak, and a training step, which repeats the same requests every step, finds every buffer idle after
-  the first steps: no page faults, no unmapping, across steps too (nothing is trimmed between steps; the
-  idle bytes are reported by ``engine.memory_breakdown().cached_buffers``).
+  buffers leaves, plus a little (the engine sets two bucket-sized units, ``build.py``), never more. The
+  oldest idle buffers are freed first when room is needed. So the pool adds at most ``spare_bytes`` to the
+  process's peak, and a training step, which repeats the same requests every step, finds most buffers idle
+  after the first steps: few page faults, little unmapping, across steps too (the idle bytes are reported
+  by ``engine.memory_breakdown().cached_buffers``). New buffers are rounded up by at most 1/64
+  (``_rounded``), so requests a bias apart share them.
 * The caller may let go of idle buffers early with :meth:`BufferPool.shrink` (the gatherer does it before
   the last units of a stage-3 backward: [Note: trim before the backward's end] in ``hooks.py``); later
-  requests then allocate again, up to the same bounds.
+  requests then allocate again, up to the same bounds. Nothing else trims between steps.
 * Requests made under :meth:`BufferPool.exempt` (the whole model gathered for generation or export) do not
   raise the high-water mark, so a one-off demand never makes the pool keep that much idle afterwards.
 """
