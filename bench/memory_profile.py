@@ -108,7 +108,7 @@ def worker(rank: int, run: dict[str, Any]) -> dict[str, Any]:
             model=model, model_parameters=model.parameters(), config=config
         )
     mark("initialize")
-    tokens = tokens_for(rank, run["steps"], 1, model_cfg, 32 if model_cfg is LARGE else None)
+    tokens = tokens_for(rank, run["steps"], 1, model_cfg, 32 if model_cfg == LARGE else None)
     for i in range(run["steps"]):
         x, y = tokens[i, :, :-1], tokens[i, :, 1:]
         if engine is None:

@@ -126,3 +126,30 @@ def test_a_slightly_smaller_request_is_served_by_an_idle_buffer_and_gives_it_bac
     c = pool.take(700, torch.float32, CPU)  # beyond the slack: a new buffer
     assert c.data_ptr() != address and pool.misses == 2
     assert pool.take(1000, torch.float32, CPU).data_ptr() == address
+
+
+def test_new_buffers_are_rounded_up_so_that_requests_a_bias_apart_share_them() -> None:
+    # A 4096 x 1024 linear with its bias and a 1024 x 4096 one with its bias: 3072 elements apart.
+    pool = BufferPool(spare_bytes=1 << 26)
+    a = pool.take(1024 * 4096 + 1024, torch.float32, CPU)
+    address = a.data_ptr()
+    pool.give(a)
+    del a
+    assert pool.idle_bytes <= (1024 * 4096 + 1024) * 4 * (1 + 1 / 64)
+    b = pool.take(4096 * 1024 + 4096, torch.float32, CPU)
+    assert b.data_ptr() == address and (pool.hits, pool.misses) == (1, 1)
+
+
+def test_shrink_lets_go_of_the_oldest_given_back_buffers_and_counts_them() -> None:
+    pool = BufferPool(spare_bytes=1 << 20)
+    buffers = [pool.take(100, torch.float32, CPU) for _ in range(3)]
+    addresses = [b.data_ptr() for b in buffers]
+    for b in buffers:
+        pool.give(b)
+    del b, buffers
+    assert pool.idle_bytes == 1200
+    pool.shrink(500)  # room for one of them: the newest stays
+    assert (pool.idle_bytes, pool.shrunk) == (400, 2)
+    assert pool.take(100, torch.float32, CPU).data_ptr() == addresses[2]
+    pool.shrink(-1)  # nothing kept, whatever the caller computed
+    assert pool.shrunk == 2 and pool.idle_bytes == 0

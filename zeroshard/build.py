@@ -109,11 +109,14 @@ def initialize(
         options = UnitOptions(offload.master_device, offload.on_unit, pool)
         built = build_units(model, cfg, plan, policy, comm, options)
         units = built.units
-        # Idle buffers fill the room below the high-water mark plus one of the largest units: the spare
-        # adds to peak RSS (two units cost stage 2 of the large bench GPT 64 MiB, 0.02 x DDP's peak, and
-        # avoided no allocation there); none at all made stage 3 of it allocate about 80 buffers per step.
+        # Idle buffers fill the room below the high-water mark plus two bucket-sized units ([Note: bounded
+        # units]), or the largest unit if smaller: the spare adds to peak RSS in every backward. On the
+        # large bench GPT at stage 3 one largest unit (its 64 MiB embedding) held the backward above
+        # FSDP2's peak; two bucket-sized units (32 MiB) cost about 30 pool misses per step, none at all
+        # about 80 ([Note: buffer reuse]).
         itemsize = max(policy.compute.itemsize, policy.reduce.itemsize)
-        pool.spare_bytes = itemsize * max((u.layout.padded for u in units), default=0)
+        largest = max((u.layout.padded for u in units), default=0)
+        pool.spare_bytes = itemsize * min(largest, 2 * unit_elements(cfg))
         if policy.mixed:
             # Frozen parameters and floating buffers follow the compute dtype; unit parameters already do.
             model.to(dtype=policy.compute)
@@ -153,6 +156,7 @@ def initialize(
             )
             gatherer.register(model)
             reducer.on_reduced = gatherer.on_reduced
+            gatherer.on_last_gather = reducer.retire_launched  # [Note: trim before the backward's end]
         trained = TrainedParameters(units, gatherer, comm)
         install_state_dict_hooks(model, trained)
         engine = ZeroshardEngine(

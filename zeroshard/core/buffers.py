@@ -20,11 +20,15 @@ Invariants:
   as soon as its last user lets go. Buffers the pool did not hand out are never kept.
 * The pool's footprint, given back plus handed out, stays within the high-water mark (the most bytes ever
   handed out at one time) plus ``spare_bytes``: idle buffers fill the room that the step's own peak of live
-  buffers leaves, plus a little (the engine sets one of its largest units), never more. The oldest idle
-  buffers are freed first when room is needed. So the pool adds at most ``spare_bytes`` to the process's
-  peak, and a training step, which repeats the same requests every step, finds every buffer idle after
-  the first steps: no page faults, no unmapping, across steps too (nothing is trimmed between steps; the
-  idle bytes are reported by ``engine.memory_breakdown().cached_buffers``).
+  buffers leaves, plus a little (the engine sets two bucket-sized units, ``build.py``), never more. The
+  oldest idle buffers are freed first when room is needed. So the pool adds at most ``spare_bytes`` to the
+  process's peak, and a training step, which repeats the same requests every step, finds most buffers idle
+  after the first steps: few page faults, little unmapping, across steps too (the idle bytes are reported
+  by ``engine.memory_breakdown().cached_buffers``). New buffers are rounded up by at most 1/64
+  (``_rounded``), so requests a bias apart share them.
+* The caller may let go of idle buffers early with :meth:`BufferPool.shrink` (the gatherer does it before
+  the last units of a stage-3 backward: [Note: trim before the backward's end] in ``hooks.py``); later
+  requests then allocate again, up to the same bounds. Nothing else trims between steps.
 * Requests made under :meth:`BufferPool.exempt` (the whole model gathered for generation or export) do not
   raise the high-water mark, so a one-off demand never makes the pool keep that much idle afterwards.
 """
@@ -42,6 +46,15 @@ from torch.utils.dlpack import from_dlpack
 
 # How much larger than the request an idle buffer may be and still serve it (a fraction of the request).
 SLACK = 0.25
+# New buffers are allocated in steps of 2**-GRAIN_BITS of their size's largest power of two: see _rounded.
+GRAIN_BITS = 6
+
+
+def _rounded(numel: int) -> int:
+    """``numel`` rounded up to a multiple of 1/64 of its largest power of two (at most 1.6 % more), so that
+    requests a bias apart (a linear's gathered parameters and another's gradient bucket) share buffers."""
+    step = 1 << max(0, numel.bit_length() - 1 - GRAIN_BITS)
+    return -(-numel // step) * step
 
 
 @dataclass
@@ -90,6 +103,7 @@ class BufferPool:
         self.high_water_bytes = 0
         self.hits = 0
         self.misses = 0
+        self.shrunk = 0  # given-back buffers let go of by shrink()
 
     @property
     def idle_bytes(self) -> int:
@@ -118,7 +132,7 @@ class BufferPool:
             whole = lease.whole
         else:
             self.misses += 1
-            whole = torch.empty(numel, dtype=dtype, device=device)
+            whole = torch.empty(_rounded(numel), dtype=dtype, device=device)
         alias, lent = _lend(whole, numel)
         self._forget_dead_loans()
         self._lent[whole.data_ptr()] = lent
@@ -170,6 +184,14 @@ class BufferPool:
     def clear(self) -> None:
         """Let go of every given-back buffer."""
         self._trim(0)
+
+    def shrink(self, keep_bytes: int) -> None:
+        """Let go of given-back buffers, oldest first, until they hold at most ``keep_bytes``: before a
+        stretch of the step that requests less than the pool holds idle (see [Note: trim before the
+        backward's end])."""
+        kept = len(self._returned)
+        self._trim(max(0, keep_bytes))
+        self.shrunk += kept - len(self._returned)
 
     def _trim(self, limit: int) -> None:
         while self._returned and self._returned_bytes > limit:

@@ -41,7 +41,7 @@ need this rank's next parameter gather. So each launch also launches a tiny coll
 same group; a marker completes only when every rank has launched its reduction, and completion is polled,
 never waited for. Every rank launches the same markers in the same order: one per group's reduction, except
 for the last ``MAX_INFLIGHT`` groups, which are never the oldest beyond the bound before the end of
-backward waits for every reduction.
+backward waits for every reduction (and which :meth:`GradientReducer.retire_launched` leaves in flight).
 Where parameters are not gathered in backward (stages 0-2) a peer reaches every launch without waiting for
 this rank, so there is no marker: the oldest reduction beyond ``MAX_INFLIGHT`` is waited for at once, which
 bounds stage 2's buckets by the unit size times ``MAX_INFLIGHT + 1`` whatever the model's size.
@@ -144,8 +144,9 @@ class GradientReducer:
         self._adopted: set[int] = set()  # groups whose bucket is autograd's gradient, not the pool's
         self._filled: dict[int, list[int]] = {}  # per unit, the parameters written into its group's bucket
         # Reductions launched and not yet waited for: (the marker that completes once every rank has
-        # launched it, pending, what to do when done, bucket bytes held); see [Note: bounded reductions].
-        self._inflight: list[tuple[Agreement | None, Pending, Callable[[], None], int]] = []
+        # launched it, pending, what to do when done, bucket bytes held, whether waiting for it before
+        # every rank launched it could deadlock); see [Note: bounded reductions].
+        self._inflight: list[tuple[Agreement | None, Pending, Callable[[], None], int, bool]] = []
         self._inflight_bytes = 0
         self._reducing = False
         # Between begin_backward and finish_backward (this engine's backward). Gradients that arrive at
@@ -330,19 +331,24 @@ class GradientReducer:
             self._retire_oldest()
 
     def _retire_oldest(self) -> None:
-        marker, pending, then, nbytes = self._inflight.pop(0)
+        marker, pending, then, nbytes, _ = self._inflight.pop(0)
         pending.wait()
         if marker is not None:
             marker.result()  # done already, or (at the end of backward) about to be
         then()
         self._inflight_bytes -= nbytes
 
-    def _retire_safely(self) -> None:
-        """Wait for the oldest reductions beyond ``MAX_INFLIGHT`` that every rank has launched."""
-        while len(self._inflight) > MAX_INFLIGHT:
-            marker = self._inflight[0][0]
-            if marker is not None and not marker.done():
-                return
+    def retire_launched(self) -> None:
+        """Wait for the oldest reductions in flight as long as every rank has launched them (never for one a
+        peer may not have launched yet: [Note: bounded reductions]); their buckets go back to the pool."""
+        self._retire_safely(limit=0)
+
+    def _retire_safely(self, limit: int = MAX_INFLIGHT) -> None:
+        """Wait for the oldest reductions beyond ``limit`` that every rank has launched."""
+        while len(self._inflight) > limit:
+            marker, _, _, _, guarded = self._inflight[0]
+            if guarded and (marker is None or not marker.done()):
+                return  # not known to be launched everywhere (no marker: one of the last groups)
             self._retire_oldest()
 
     # -- one group's reduction -----------------------------------------------------------------------
@@ -413,10 +419,10 @@ class GradientReducer:
         # deadlock; elsewhere the oldest reduction is simply waited for ([Note: bounded reductions]).
         # Only a group with more than MAX_INFLIGHT groups after it can be the oldest beyond the bound: the
         # last ones are waited for at the end of backward, markers or not (the same groups on every rank).
-        early = group.index < len(self.groups) - MAX_INFLIGHT
-        if self.overlap_comm and held and self.plan.shard_parameters and early:
+        guarded = bool(self.overlap_comm and held and self.plan.shard_parameters)
+        if guarded and group.index < len(self.groups) - MAX_INFLIGHT:
             marker = self.comm.agree_async([self._next], what=f"reduction marker of {names}")
-        self._inflight.append((marker, pending, then, held))
+        self._inflight.append((marker, pending, then, held, guarded))
         self._inflight_bytes += held
         self._track_bucket_bytes()
         for unit in group.units:

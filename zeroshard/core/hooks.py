@@ -26,6 +26,20 @@ The order in which units are needed is recorded every step; the next step prefet
 that the prefetch would gather again at once (the last modules of the forward, first in the backward) is
 kept instead of released (``prefetch.py``, [Note: prefetch schedule]). Every rank gathers in the same
 order because every rank runs the same modules.
+
+[Note: trim before the backward's end]
+The last units of the backward (the first modules of the forward: a model's embeddings) are where
+autograd's own transients peak: a tied embedding's gradient from the LM head waits there for the
+embedding's, and adding the two allocates a third of that size. The buffer pool keeps idle buffers up to
+the step's high-water mark ([Note: buffer reuse]), which on top of that peak is memory no request will use
+before the next forward. So when a backward asks for the last unit of last step's order, the gatherer
+first lets ``on_last_gather`` (the reducer) wait for the reductions in flight that every rank has launched,
+then shrinks the pool's given-back buffers to what the forward gathered at most less what is still handed
+out (those come back by the end of the backward): enough bytes for the next forward, none beyond. The
+backward's later requests (the last reduce-scatter outputs) and the next backward allocate the rest again.
+With DeepSpeed's default ``stage3_max_reuse_distance`` the forward keeps most units gathered, so the pool
+keeps most of its buffers.
+
 Ranks that run different modules raise an error naming each rank's units instead of pairing different
 collectives (``gather_check.py``, [Note: gather check]). Full buffers come from the engine's
 :class:`~zeroshard.core.buffers.BufferPool` and go back to it on release.
@@ -114,6 +128,10 @@ class ParameterGatherer:
         self._adopted_now = False
         self._quiet_forwards = 0  # forwards in a row that adopted nothing
         self.peak_gathered_bytes = 0
+        self._forward_bytes = 0  # the most bytes gathered at once in this step's forward
+        self._trimmed = False  # the pool was shrunk in this backward: [Note: trim before the backward's end]
+        # Called before that shrink (the reducer waits for the reductions every rank has launched).
+        self.on_last_gather: Callable[[], None] | None = None
         self._checks = GatherChecks(comm, self._describe)  # see [Note: gather check]
         self.saved_views = SavedViews(self.gather, comm.rank)  # see [Note: saved views]
         # Whether any unit's shard is read from elsewhere (decided when the units were built, before this).
@@ -246,6 +264,17 @@ class ParameterGatherer:
             self.saved_views.note(unit)
         live = sum(u.full.numel() * u.full.element_size() for u in self._all_units() if u.gathered)
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, live)
+        if not self._in_backward:
+            self._forward_bytes = max(self._forward_bytes, live)
+        elif not self._trimmed and self.schedule.exhausted:
+            self._trim_for_next_forward()
+
+    def _trim_for_next_forward(self) -> None:
+        """See [Note: trim before the backward's end]."""
+        self._trimmed = True
+        if self.on_last_gather is not None:
+            self.on_last_gather()
+        self.pool.shrink(self._forward_bytes - self.pool.out_bytes)
 
     def _start_many(self, units: list[FlatUnit]) -> None:
         """Launch the all-gathers of ``units`` with their gather check ([Note: gather check])."""
@@ -322,6 +351,8 @@ class ParameterGatherer:
 
     def end_step(self) -> None:
         self._prefetched.clear()
+        self._forward_bytes = 0
+        self._trimmed = False
         self.schedule.end_step()
 
     def _all_units(self) -> list[FlatUnit]:

@@ -91,6 +91,12 @@ class PrefetchSchedule:
             distance += upcoming.layout.padded
         return False
 
+    @property
+    def exhausted(self) -> bool:
+        """Whether this step has asked for the last unit of last step's order (nothing is left to gather
+        ahead)."""
+        return bool(self._schedule) and self._cursor >= len(self._schedule)
+
     def end_step(self) -> None:
         """This step's order becomes the schedule of the next (a step that gathered nothing keeps the old)."""
         if self._order:
