@@ -68,7 +68,7 @@ RESULTS = ROOT / "bench" / "results"
 
 MODELS: dict[str, dict[str, Any]] = {
     # Fixed cost per step: 235k parameters, 32 samples per rank.
-    "mlp": {"kind": "mlp", "widths": [256, 384, 256, 128, 32], "micro_batch": 32, "warmup": 10, "steps": 50},
+    "mlp": {"kind": "mlp", "widths": [256, 384, 256, 128, 32], "micro_batch": 32, "warmup": 20, "steps": 300},
     # PEERS.md's small model: 4 layers, width 384, vocab 8192, 8 x 128 tokens per step (4 per rank).
     "gpt": {
         "kind": "gpt",
