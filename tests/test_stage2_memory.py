@@ -17,7 +17,7 @@ from torch import nn
 
 import zeroshard
 from tests.distributed import run_distributed
-from zeroshard.core.grad_sync import MAX_INFLIGHT
+from zeroshard.core.inflight import MAX_INFLIGHT
 from zeroshard.core.units import MAX_UNIT_ELEMENTS
 
 BUCKET = 20_000  # elements: about one hidden layer per unit, a small fraction of the model

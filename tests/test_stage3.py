@@ -160,7 +160,7 @@ def test_three_psi_bounded_gathered_memory_and_module_api(world_size: int) -> No
     # gather); with a one-block prefetch, one more.
     assert result["peak_blocks_prefetchFalse"] <= 2.01
     assert result["peak_blocks_prefetchTrue"] <= 3.01
-    # Gradient buckets filling or in flight, per step: a few blocks, not the model's 8 (grad_sync.py [Note:
+    # Gradient buckets filling or in flight, per step: a few blocks, not the model's 8 (inflight.py [Note:
     # bounded reductions]: MAX_INFLIGHT = 2 in flight and one filling, plus those whose marker has not
     # arrived when the next launch polls it; the ranks meet at every gather, so usually none, but on a
     # loaded machine a rank can fall behind by a few blocks in some steps: so at least half of 8 steps).

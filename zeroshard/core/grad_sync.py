@@ -31,20 +31,8 @@ Averaging follows DeepSpeed: with ``prescale_gradients`` gradients are divided b
 ``gradient_predivide_factor`` before the reduction and by ``world_size / predivide`` after it; otherwise the
 sum is divided by ``world_size`` after it.
 
-[Note: bounded reductions]
-A bucket in flight is memory: left alone, every bucket of a stage-3 backward would live until its end, the
-whole model's gradients (the point-to-point exchanges of comm.py hold their buffers until waited for). So
-once more than ``MAX_INFLIGHT`` reductions are in flight the oldest is waited for, but only once every rank
-is known to have launched it. Waiting for one that a peer has not launched can deadlock: a peer whose unit
-lacks a gradient (a parameter unused on that rank) launches it only at the end of its backward, which may
-need this rank's next parameter gather. So each launch also launches a tiny collective, a marker, on the
-same group; a marker completes only when every rank has launched its reduction, and completion is polled,
-never waited for. Every rank launches the same markers in the same order: one per group's reduction, except
-for the last ``MAX_INFLIGHT`` groups, which are never the oldest beyond the bound before the end of
-backward waits for every reduction (and which :meth:`GradientReducer.retire_launched` leaves in flight).
-Where parameters are not gathered in backward (stages 0-2) a peer reaches every launch without waiting for
-this rank, so there is no marker: the oldest reduction beyond ``MAX_INFLIGHT`` is waited for at once, which
-bounds stage 2's buckets by the unit size times ``MAX_INFLIGHT + 1`` whatever the model's size.
+How many reductions stay in flight, and which may be waited for before the backward ends:
+``inflight.py``, [Note: bounded reductions].
 """
 
 from __future__ import annotations
@@ -55,8 +43,9 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from zeroshard.core.buffers import BufferPool
-from zeroshard.core.comm import Agreement, Comm, Pending
+from zeroshard.core.comm import Comm
 from zeroshard.core.flat_param import FlatUnit
+from zeroshard.core.inflight import MAX_INFLIGHT, InFlight
 from zeroshard.core.layout import GroupLayout
 from zeroshard.core.reduction_groups import Averaging, ReductionGroup, group_units
 from zeroshard.core.stages import StagePlan
@@ -64,10 +53,6 @@ from zeroshard.core.stages import StagePlan
 # Units smaller than this share a reduction group up to this many elements (4 MiB of fp32 gradients),
 # within reduce_bucket_size: each reduce-scatter's fixed cost is paid once for many small modules.
 SMALL_BUCKET_ELEMENTS = 1 << 20
-
-# With overlap_comm, how many group reductions may stay in flight while backward goes on, beyond which the
-# oldest is waited for when that is safe ([Note: bounded reductions]).
-MAX_INFLIGHT = 2
 
 
 def _zero(bucket: torch.Tensor, runs: list[tuple[int, int, int]]) -> None:
@@ -143,11 +128,7 @@ class GradientReducer:
         self._buckets: dict[int, torch.Tensor] = {}  # per group
         self._adopted: set[int] = set()  # groups whose bucket is autograd's gradient, not the pool's
         self._filled: dict[int, list[int]] = {}  # per unit, the parameters written into its group's bucket
-        # Reductions launched and not yet waited for: (the marker that completes once every rank has
-        # launched it, pending, what to do when done, bucket bytes held, whether waiting for it before
-        # every rank launched it could deadlock); see [Note: bounded reductions].
-        self._inflight: list[tuple[Agreement | None, Pending, Callable[[], None], int, bool]] = []
-        self._inflight_bytes = 0
+        self._inflight = InFlight()  # reductions launched and not yet waited for
         self._reducing = False
         # Between begin_backward and finish_backward (this engine's backward). Gradients that arrive at
         # other times, e.g. a second engine's loss backpropagated through this engine's model (a GAN's
@@ -303,7 +284,7 @@ class GradientReducer:
 
     def _track_bucket_bytes(self) -> None:
         filling = sum(b.numel() * b.element_size() for b in self._buckets.values())
-        self.peak_bucket_bytes = max(self.peak_bucket_bytes, filling + self._inflight_bytes)
+        self.peak_bucket_bytes = max(self.peak_bucket_bytes, filling + self._inflight.bytes)
 
     def _launch_ready(self) -> None:
         while self._next < len(self.groups) and self._complete_units[self._next] == len(
@@ -327,29 +308,12 @@ class GradientReducer:
         self._in_backward = False
 
     def wait_all(self) -> None:
-        while self._inflight:
-            self._retire_oldest()
-
-    def _retire_oldest(self) -> None:
-        marker, pending, then, nbytes, _ = self._inflight.pop(0)
-        pending.wait()
-        if marker is not None:
-            marker.result()  # done already, or (at the end of backward) about to be
-        then()
-        self._inflight_bytes -= nbytes
+        self._inflight.wait_all()
 
     def retire_launched(self) -> None:
         """Wait for the oldest reductions in flight as long as every rank has launched them (never for one a
         peer may not have launched yet: [Note: bounded reductions]); their buckets go back to the pool."""
-        self._retire_safely(limit=0)
-
-    def _retire_safely(self, limit: int = MAX_INFLIGHT) -> None:
-        """Wait for the oldest reductions beyond ``limit`` that every rank has launched."""
-        while len(self._inflight) > limit:
-            marker, _, _, _, guarded = self._inflight[0]
-            if guarded and (marker is None or not marker.done()):
-                return  # not known to be launched everywhere (no marker: one of the last groups)
-            self._retire_oldest()
+        self._inflight.retire_safely(limit=0)
 
     # -- one group's reduction -----------------------------------------------------------------------
     def _launch(self, group: ReductionGroup) -> None:
@@ -422,14 +386,13 @@ class GradientReducer:
         guarded = bool(self.overlap_comm and held and self.plan.shard_parameters)
         if guarded and group.index < len(self.groups) - MAX_INFLIGHT:
             marker = self.comm.agree_async([self._next], what=f"reduction marker of {names}")
-        self._inflight.append((marker, pending, then, held, guarded))
-        self._inflight_bytes += held
+        self._inflight.add(pending, then, held, marker=marker, guarded=guarded)
         self._track_bucket_bytes()
         for unit in group.units:
             self._hand_over(unit)
         if not self.overlap_comm:
             self.wait_all()
-        self._retire_safely()
+        self._inflight.retire_safely()
 
     # -- the accumulation boundary -------------------------------------------------------------------
     def local_has_grad(self) -> torch.Tensor:
