@@ -146,8 +146,9 @@ class BufferPool:
         if not self._exempt:
             self.high_water_bytes = max(self.high_water_bytes, self.out_bytes)
 
-    def give(self, buffer: torch.Tensor) -> None:
-        """Hand back a tensor from :meth:`take`; its buffer is reused once nothing refers to it any more."""
+    def give(self, buffer: torch.Tensor, keep: bool = True) -> None:
+        """Hand back a tensor from :meth:`take`; its buffer is reused once nothing refers to it any more, or
+        with ``keep=False`` freed by the allocator once nothing does."""
         if buffer.device.type != "cpu" or buffer.storage_offset() != 0:
             return
         lent = self._lent.get(buffer.data_ptr())
@@ -158,8 +159,8 @@ class BufferPool:
         whole = torch.empty(0, dtype=lent.dtype).set_(memory, 0, (lent.numel,), (1,))
         returned = _Returned(whole, lent.alias)
         self.out_bytes = max(0, self.out_bytes - returned.nbytes)
-        if returned.nbytes > self.room():
-            return  # no room for it now: the allocator frees it when its last user lets go
+        if not keep or returned.nbytes > self.room():
+            return  # not kept, or no room for it now: the allocator frees it when its last user lets go
         self._serial += 1
         self._returned[self._serial] = returned
         self._returned_bytes += returned.nbytes

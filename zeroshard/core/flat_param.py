@@ -281,6 +281,21 @@ class FlatUnit:
         if self.pool is not None and old.numel():
             self.pool.give(old)
 
+    def release_before_gradients(self) -> None:
+        """Free the full parameters while their gradients are still to come (stage 3, [Note: spent units] in
+        ``hooks.py``). Each parameter becomes a stand-in of its shape, one NaN broadcast over it: autograd
+        checks a gradient against its parameter's shape and lays it out like the parameter's data, and a
+        read of the values shows NaN, not numbers. The buffer goes back to the allocator, not to the pool's
+        idle buffers. :meth:`release` makes the parameters empty placeholders again."""
+        if self._gathering is not None:
+            self.finish_gather()
+        nan = torch.full((1,), float("nan"), dtype=self.policy.compute, device=self.device)
+        for param, shape in zip(self.params, self.shapes, strict=True):
+            param.data = nan.expand(shape)
+        old, self.full = self.full, torch.empty(0, dtype=self.policy.compute, device=self.device)
+        if self.pool is not None and old.numel():
+            self.pool.give(old, keep=False)
+
     def _new_full(self) -> torch.Tensor:
         numel, dtype = self.layout.padded, self.policy.compute
         if self.pool is None:

@@ -79,7 +79,10 @@ class PrefetchSchedule:
         everything gathered before its next use (so 0 never keeps a unit for that reason, and DeepSpeed's
         default, 1e9, keeps every unit of a smaller model gathered from its forward to its backward); or
         within the prefetch window, where the next gather would only fetch the same bytes again (the last
-        modules of the forward, which the backward needs first).
+        modules of the forward, which the backward needs first). Where last step's order ends within that
+        window, the unit is kept too: that order ended with this forward because its backward found these
+        units kept, and releasing them now would make this backward gather them again (and keeping or not
+        would alternate from step to step).
         """
         distance = unit.layout.padded
         limit = max(self.max_reuse_distance, self.prefetch_elements)
@@ -89,7 +92,7 @@ class PrefetchSchedule:
             if upcoming is unit:
                 return True
             distance += upcoming.layout.padded
-        return False
+        return bool(self._schedule) and distance <= limit
 
     @property
     def exhausted(self) -> bool:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 
@@ -28,7 +29,7 @@ import torch
 from zeroshard.core.flat_param import FlatUnit
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity: kept in a WeakSet per unit
 class _SavedView:
     unit: FlatUnit
     size: torch.Size
@@ -51,6 +52,10 @@ class SavedViews:
         self._unit_at: dict[int, FlatUnit] = {}
         self._address_of: dict[int, int] = {}
         self._active: list[contextlib.AbstractContextManager[None]] = []
+        # The packed views of each unit that autograd still holds. Autograd drops a node's saved tensors
+        # once the node has run (unless the graph is retained), so an empty set means no backward node
+        # left will read the unit through a saved tensor.
+        self._live: dict[int, weakref.WeakSet[_SavedView]] = {}
 
     def note(self, unit: FlatUnit) -> None:
         """Remember where ``unit``'s gathered buffer lives."""
@@ -62,6 +67,12 @@ class SavedViews:
             del self._unit_at[old]
         self._address_of[unit.index] = address
         self._unit_at[address] = unit
+
+    def held(self, unit: FlatUnit) -> bool:
+        """Whether autograd still holds a tensor saved from ``unit``'s gathered buffer (a backward node that
+        has not run yet, or a retained graph)."""
+        live = self._live.get(unit.index)
+        return live is not None and len(live) > 0
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
@@ -87,7 +98,9 @@ class SavedViews:
         unit = self._unit_at.get(address)
         # Only the unit's current buffer: a released buffer's address may have been reused since.
         if unit is not None and unit.gathered and unit.full.untyped_storage().data_ptr() == address:
-            return _SavedView(unit, tensor.size(), tensor.stride(), int(tensor.storage_offset()))
+            view = _SavedView(unit, tensor.size(), tensor.stride(), int(tensor.storage_offset()))
+            self._live.setdefault(unit.index, weakref.WeakSet()).add(view)
+            return view
         return tensor
 
     def _unpack(self, packed: Any) -> torch.Tensor:
