@@ -21,6 +21,20 @@ class CustomHead(nn.Linear):
         return super().forward(x)
 
 
+class CustomEmbedding(nn.Embedding):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x)
+
+
+def _untied(embedding: type[nn.Embedding]) -> ToyLM:
+    model = make_model(0)
+    model.head.weight = nn.Parameter(model.emb.weight.detach().clone())
+    custom = embedding(VOCAB, 7)
+    custom.weight = model.emb.weight
+    model.emb = custom
+    return model
+
+
 def _lean(stage3: dict[str, Any] | None = None) -> dict[str, Any]:
     zero = {
         "stage": 3,
@@ -70,6 +84,8 @@ def cases(rank: int, world_size: int) -> dict[str, Any]:
     custom.head.weight = custom.emb.weight
     for name, model, retain in (("plain", plain, False), ("custom", custom, False), ("retain", None, True)):
         out[name] = _train(rank, model if model is not None else make_model(0), retain)
+    out["untied"] = _train(rank, _untied(nn.Embedding))
+    out["untied_custom"] = _train(rank, _untied(CustomEmbedding))
     return out
 
 
@@ -86,3 +102,10 @@ def test_spent_units_are_released_before_their_gradients_and_train_the_same() ->
     assert result["plain"][2] == result["custom"][2] == result["retain"][2], [r[2] for r in result.values()]
     # Releasing earlier changes nothing in what is computed: bit for bit the same weights.
     assert result["plain"][1] == result["custom"][1] == result["retain"][1]
+    # An embedding of its own (untied): its backward saves nothing of the table, so it is not gathered for
+    # the backward at all (one all-gather fewer per step), and its gradient lands on the stand-in.
+    emb = {name: [e for e in result[name][0] if e[0] == "emb.weight"] for name in ("untied", "untied_custom")}
+    assert emb["untied"] == [("emb.weight", False, True)], result["untied"][0]
+    assert emb["untied_custom"] == [("emb.weight", True, False)], result["untied_custom"][0]
+    assert result["untied"][2] == result["untied_custom"][2] - 1
+    assert result["untied"][1] == result["untied_custom"][1]

@@ -10,7 +10,8 @@ Between uses a stage-3 unit holds only this rank's master shard; its parameters 
   autograd will need them again, hook the module's outputs so that the units are gathered again just before
   the module's backward.
 * A unit is released in backward as soon as its gradients are complete and copied into their gradient
-  bucket (the reducer calls :meth:`ParameterGatherer.on_reduced`), and at the end of backward at the latest.
+  bucket (the reducer calls :meth:`ParameterGatherer.on_reduced`), or earlier once no backward node reads it
+  ([Note: spent units]), and at the end of backward at the latest.
 
 [Note: recompute]
 With activation checkpointing a module's forward runs again inside backward (``torch.utils.checkpoint``,
@@ -35,7 +36,8 @@ the step's high-water mark ([Note: buffer reuse]), which on top of that peak is 
 before the next forward. So when a backward asks for the last unit of last step's order, the gatherer
 first lets ``on_last_gather`` (the reducer) wait for the reductions in flight that every rank has launched,
 then shrinks the pool's given-back buffers to what the forward gathered at most less what is still handed
-out (those come back by the end of the backward): enough bytes for the next forward, none beyond. The
+out (those come back by the end of the backward) and less the units spent in this backward (their buffers
+went back to the allocator, [Note: spent units]): enough bytes for the next forward, none beyond. The
 backward's later requests (the last reduce-scatter outputs) and the next backward allocate the rest again.
 With DeepSpeed's default ``stage3_max_reuse_distance`` the forward keeps most units gathered, so the pool
 keeps most of its buffers.
