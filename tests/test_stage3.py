@@ -153,7 +153,7 @@ def test_three_psi_bounded_gathered_memory_and_module_api(world_size: int) -> No
     result = run_distributed(volume_memory_and_api, world_size)[0]
     psi = result["psi"]
     assert result["bytes2"] == 2 * psi
-    # 3Ψ but for the first layer's weights, which its backward does not read (hooks.py [Note: spent units]).
+    # 3Ψ but for the first layer's weights, which its backward does not read (spent.py [Note: spent units]).
     first = result["first"]
     assert result["bytes3"] == 3 * psi - first, result["by_op3"]
     assert result["by_op3"] == {"all_gather": 2 * psi - first, "reduce_scatter": psi}

@@ -283,7 +283,7 @@ class FlatUnit:
 
     def release_before_gradients(self) -> None:
         """Free the full parameters while their gradients are still to come (stage 3, [Note: spent units] in
-        ``hooks.py``). Each parameter becomes a stand-in of its shape, one NaN broadcast over it: autograd
+        ``spent.py``). Each parameter becomes a stand-in of its shape, one NaN broadcast over it: autograd
         checks a gradient against its parameter's shape and lays it out like the parameter's data, and a
         read of the values shows NaN, not numbers. The buffer goes back to the allocator, not to the pool's
         idle buffers. :meth:`release` makes the parameters empty placeholders again."""

@@ -42,22 +42,8 @@ backward's later requests (the last reduce-scatter outputs) and the next backwar
 With DeepSpeed's default ``stage3_max_reuse_distance`` the forward keeps most units gathered, so the pool
 keeps most of its buffers.
 
-[Note: spent units]
-A unit stays gathered in backward until its gradients are reduced, but autograd may be done reading it long
-before: a tied embedding is read by the LM head's backward, the first of the step, and its gradient is
-complete only after the embedding's backward, the last, where autograd's own transients peak. Autograd reads
-a gathered buffer in backward only through the tensors it saved in forward, which [Note: saved views] packs
-as references and tracks: once every one of them is gone (autograd frees a node's saved tensors when the
-node has run), no backward node reads the unit any more. Such a unit is *spent*: at the next gather of the
-backward it is released (``FlatUnit.release_before_gradients``: each parameter a NaN stand-in of its shape,
-which is all ``AccumulateGrad`` needs of it), its buffer goes back to the allocator, and the backward hooks
-do not gather it again, which also spares the backward gather of an embedding (whose backward needs the
-token ids, not the table). This holds only where nothing reads the parameter objects themselves in
-backward: units gathered by ``PLAIN_LAYERS`` modules alone (``nn.Linear``, ``nn.Embedding``, ...: built-in
-layers whose forward is a single torch function with autograd's own backward). A unit a recomputation
-gathered (activation checkpointing: its views are packed only as the recomputed forward runs), a unit
-prefetched and not yet needed, and a unit held by ``GatheredParameters`` are never spent; whether a unit is
-spent follows from the graph, which is the same on every rank, so the gathers stay collective-safe.
+Units that backward has finished reading are released before their gradients arrive (``spent.py``,
+[Note: spent units]).
 
 Ranks that run different modules raise an error naming each rank's units instead of pairing different
 collectives (``gather_check.py``, [Note: gather check]). Full buffers come from the engine's
@@ -83,19 +69,7 @@ from zeroshard.core.gather_check import GatherChecks
 from zeroshard.core.param_access import ParameterAccess
 from zeroshard.core.prefetch import PrefetchSchedule
 from zeroshard.core.saved_views import SavedViews
-
-# Built-in layers whose backward reads their parameters only through the tensors autograd saved in forward
-# ([Note: spent units]): a unit gathered by these alone can be released once those tensors are gone.
-PLAIN_LAYERS: tuple[type[nn.Module], ...] = (
-    nn.Linear,
-    nn.Embedding,
-    nn.LayerNorm,
-    nn.RMSNorm,
-    nn.GroupNorm,
-    nn.Conv1d,
-    nn.Conv2d,
-    nn.Conv3d,
-)
+from zeroshard.core.spent import SpentUnits
 
 
 def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
@@ -149,11 +123,6 @@ class ParameterGatherer:
         # gathered again in the same backward: the decision to gather stays the same on every rank.
         self._done: set[int] = set()
         self._prefetched: set[int] = set()  # units gathered ahead of need, not yet needed
-        # Units released in this backward before their gradients arrived, and units a recomputation gathered
-        # in it, which never are: [Note: spent units].
-        self._spent: set[int] = set()
-        self._recomputed: set[int] = set()
-        self._plain: dict[int, bool] = {}  # whether only PLAIN_LAYERS gather the unit (cleared on adoption)
         # Between the first backward hook of a step and end_backward: a module forward that runs now is a
         # recomputation (activation checkpointing), whose units backward needs next; see [Note: recompute].
         self._in_backward = False
@@ -171,6 +140,7 @@ class ParameterGatherer:
         self.on_last_gather: Callable[[], None] | None = None
         self._checks = GatherChecks(comm, self._describe)  # see [Note: gather check]
         self.saved_views = SavedViews(self.gather, comm.rank)  # see [Note: saved views]
+        self._spent = SpentUnits(self.saved_views, self._modules_using)  # see [Note: spent units]
         # Whether any unit's shard is read from elsewhere (decided when the units were built, before this).
         self._reads_ahead = any(u.store.prefetches for _, us in module_units for u in us)
 
@@ -230,7 +200,7 @@ class ParameterGatherer:
         key = self._running[-1]
         if unit not in self._units_of[key]:
             self._units_of[key].append(unit)
-            self._plain.clear()
+            self._spent.users_changed()
         self.gather([unit])
         self._users[unit.index] += 1
         self._adopted_now = True
@@ -246,7 +216,7 @@ class ParameterGatherer:
             units = self._units_of[key]
             if self._in_backward:
                 # A recomputation: nothing to count, its post-hook may never run ([Note: recompute]).
-                self._recomputed.update(u.index for u in units)
+                self._spent.recomputed.update(u.index for u in units)
                 self.gather(units)
                 return
             self.gather(units)
@@ -275,7 +245,7 @@ class ParameterGatherer:
                     # Once per backward: a second backward through a retained graph gathers again.
                     if fired[0] != self._backwards:
                         fired[0] = self._backwards
-                        self.gather([u for u in units if not self._spend_if_spent(u)])
+                        self.gather([u for u in units if not self._spend(u)])
 
                 for tensor in iter_tensors(output):
                     if tensor.requires_grad:
@@ -296,7 +266,7 @@ class ParameterGatherer:
         self.schedule.record(needed)
         # One check for the units needed now and the ones prefetched with them.
         live = sum(u.layout.padded for u in self._all_units() if u.gathered or u in missing)
-        ahead = self.schedule.candidates(missing, live, self._done | self._spent)
+        ahead = self.schedule.candidates(missing, live, self._done | self._spent.spent)
         self._prefetched.update(u.index for u in ahead)
         self._start_many(missing + ahead)
         if self._reads_ahead:
@@ -318,7 +288,7 @@ class ParameterGatherer:
         self._trimmed = True
         if self.on_last_gather is not None:
             self.on_last_gather()
-        spent = sum(self._full_bytes(u) for u in self._all_units() if u.index in self._spent)
+        spent = sum(self._full_bytes(u) for u in self._all_units() if u.index in self._spent.spent)
         self.pool.shrink(self._forward_bytes - self.pool.out_bytes - spent)
 
     @staticmethod
@@ -326,46 +296,20 @@ class ParameterGatherer:
         return unit.layout.padded * unit.policy.compute.itemsize
 
     # -- spent units: [Note: spent units] --------------------------------------------------------------
-    def _reads_only_saved(self, unit: FlatUnit) -> bool:
-        """Whether only PLAIN_LAYERS modules gather ``unit``."""
-        plain = self._plain.get(unit.index)
-        if plain is None:
-            plain = all(
-                type(self._modules[key]) in PLAIN_LAYERS
-                for key, units in self._units_of.items()
-                if unit in units
-            )
-            self._plain[unit.index] = plain
-        return plain
+    def _modules_using(self, unit: FlatUnit) -> Iterator[nn.Module]:
+        return (self._modules[key] for key, units in self._units_of.items() if unit in units)
 
-    def _spent_now(self, unit: FlatUnit) -> bool:
-        """Whether no backward node reads ``unit`` any more while its gradients are still to come."""
-        return (
-            unit.plan.shard_parameters
-            and unit.index not in self._done
-            and unit.index not in self._recomputed
-            and self._users[unit.index] == 0
-            and self._reads_only_saved(unit)
-            and not self.saved_views.held(unit)
-        )
-
-    def _spend_if_spent(self, unit: FlatUnit) -> bool:
-        """If ``unit`` is spent, release it (gathered or not: its parameters become the stand-ins that its
-        gradients are laid out against) and return True."""
-        if unit.index in self._spent:
-            return True
-        if not self._spent_now(unit):
-            return False
-        unit.release_before_gradients()
-        self._spent.add(unit.index)
-        return True
+    def _spend(self, unit: FlatUnit) -> bool:
+        """Release ``unit`` if it is spent (and say whether it is); not while a forward or a hold uses it,
+        nor once its gradients were reduced."""
+        return self._spent.spend(unit, busy=self._users[unit.index] > 0 or unit.index in self._done)
 
     def _release_spent(self) -> None:
         """Release the gathered units that are spent; those of them a prefetch brought are not (needed
         next, their views may come with a recomputation)."""
         for unit in self._all_units():
             if unit.gathered and unit.index not in self._prefetched:
-                self._spend_if_spent(unit)
+                self._spend(unit)
 
     def _start_many(self, units: list[FlatUnit]) -> None:
         """Launch the all-gathers of ``units`` with their gather check ([Note: gather check])."""
@@ -431,8 +375,7 @@ class ParameterGatherer:
             if self._users[unit.index] == 0:
                 unit.release()
         self._done.clear()
-        self._spent.clear()
-        self._recomputed.clear()
+        self._spent.end_backward()
         self._in_backward = False
         self._backwards += 1
         self.end_step()
