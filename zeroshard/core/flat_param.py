@@ -266,11 +266,12 @@ class FlatUnit:
         for param, offset, shape in zip(self.params, self.layout.offsets, self.shapes, strict=True):
             param.data = self.full[offset : offset + shape.numel()].view(shape)
 
-    def release(self) -> None:
+    def release(self, keep_buffer: bool = True) -> None:
         """Free the full parameters; the parameters become empty placeholders until the next gather.
 
         The memory goes once nothing else refers to the old buffer: tensors autograd saves from it in
-        forward are kept as references to the unit instead (``saved_views`` [Note: saved views]).
+        forward are kept as references to the unit instead (``saved_views`` [Note: saved views]). Without
+        ``keep_buffer`` the buffer goes back to the allocator, not to the pool's idle buffers.
         """
         if self._gathering is not None:
             self.finish_gather()
@@ -279,22 +280,18 @@ class FlatUnit:
             param.data = empty
         old, self.full = self.full, empty
         if self.pool is not None and old.numel():
-            self.pool.give(old)
+            self.pool.give(old, keep=keep_buffer)
 
     def release_before_gradients(self) -> None:
-        """Free the full parameters while their gradients are still to come (stage 3, [Note: spent units] in
-        ``spent.py``). Each parameter becomes a stand-in of its shape, one NaN broadcast over it: autograd
-        checks a gradient against its parameter's shape and lays it out like the parameter's data, and a
-        read of the values shows NaN, not numbers. The buffer goes back to the allocator, not to the pool's
-        idle buffers. :meth:`release` makes the parameters empty placeholders again."""
-        if self._gathering is not None:
-            self.finish_gather()
+        """:meth:`release` while the gradients are still to come (stage 3, [Note: spent units] in
+        ``spent.py``), the buffer to the allocator. Each parameter becomes a stand-in of its shape, one NaN
+        broadcast over it: autograd checks a gradient against its parameter's shape and lays it out like the
+        parameter's data, and a read of the values shows NaN, not numbers. :meth:`release` makes the
+        parameters empty placeholders again."""
+        self.release(keep_buffer=False)
         nan = torch.full((1,), float("nan"), dtype=self.policy.compute, device=self.device)
         for param, shape in zip(self.params, self.shapes, strict=True):
             param.data = nan.expand(shape)
-        old, self.full = self.full, torch.empty(0, dtype=self.policy.compute, device=self.device)
-        if self.pool is not None and old.numel():
-            self.pool.give(old, keep=False)
 
     def _new_full(self) -> torch.Tensor:
         numel, dtype = self.layout.padded, self.policy.compute

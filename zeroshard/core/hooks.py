@@ -214,12 +214,11 @@ class ParameterGatherer:
     def _make_pre(self, key: int) -> Any:
         def pre(module: nn.Module, args: Any) -> None:
             units = self._units_of[key]
-            if self._in_backward:
-                # A recomputation: nothing to count, its post-hook may never run ([Note: recompute]).
+            if self._in_backward:  # a recomputation: never spent in this backward
                 self._spent.recomputed.update(u.index for u in units)
-                self.gather(units)
-                return
             self.gather(units)
+            if self._in_backward:
+                return  # a recomputation: nothing to count, its post-hook may never run ([Note: recompute])
             self._running.append(key)
             for unit in units:
                 self._users[unit.index] += 1
@@ -307,7 +306,7 @@ class ParameterGatherer:
     def _release_spent(self) -> None:
         """Release the gathered units that are spent; those of them a prefetch brought are not (needed
         next, their views may come with a recomputation)."""
-        for unit in self._all_units():
+        for unit in self._spent.candidates(self._all_units()):
             if unit.gathered and unit.index not in self._prefetched:
                 self._spend(unit)
 

@@ -53,10 +53,19 @@ class SpentUnits:
         self.spent: set[int] = set()  # released in this backward before their gradients arrived
         self.recomputed: set[int] = set()  # gathered by a recomputation in this backward: never spent
         self._plain: dict[int, bool] = {}  # whether only PLAIN_LAYERS gather the unit
+        self._candidates: list[FlatUnit] | None = None
 
     def users_changed(self) -> None:
         """A module now gathers a unit it did not before (an adopted external parameter)."""
         self._plain.clear()
+        self._candidates = None
+
+    def candidates(self, units: list[FlatUnit]) -> list[FlatUnit]:
+        """Those of ``units`` (every unit, the same list each call) that can be spent at all: sharded and
+        gathered by PLAIN_LAYERS alone. Cached: the backward checks them at every gather."""
+        if self._candidates is None:
+            self._candidates = [u for u in units if u.plan.shard_parameters and self._only_plain_layers(u)]
+        return self._candidates
 
     def spend(self, unit: FlatUnit, *, busy: bool) -> bool:
         """If ``unit`` is spent, release it (gathered or not: its parameters become the stand-ins that its
