@@ -1,5 +1,5 @@
 """The typed blocks of a ds_config that zeroshard reads: ZeRO, precision, optimizer and
-scheduler, aio, checkpoint, monitors and timers.
+scheduler; aio, checkpoint, monitors and timers are in `run_blocks.py` (re-exported here).
 
 Defaults are DeepSpeed 0.19.6's (`deepspeed/runtime/zero/config.py`, `offload_config.py`,
 `leaf_module_config.py`, `zenflow/zenflow_config.py`, `runtime/precision_config.py`,
@@ -20,6 +20,19 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BeforeValidator, Field, model_validator
 
+from zeroshard.config.run_blocks import (
+    AioConfig,
+    CheckpointConfig,
+    CheckpointWriterConfig,
+    CometConfig,
+    CommsLoggerConfig,
+    CSVConfig,
+    ParallelWriteConfig,
+    TensorBoardConfig,
+    ThroughputTimerConfig,
+    TimersConfig,
+    WandbConfig,
+)
 from zeroshard.config.values import (
     INT_MAX,
     Block,
@@ -332,9 +345,6 @@ class ZeroConfig(Block):
         return data
 
 
-_Positive = Annotated[Int, Field(gt=0)]
-
-
 class OptimizerSpec(Block):
     """`optimizer`: the optimizer DeepSpeed would build; zeroshard's optimizer factory validates params."""
 
@@ -353,152 +363,3 @@ class SchedulerSpec(Block):
     """Scheduler name as written."""
     params: dict[str, Any] = Field(default_factory=dict)
     """Scheduler arguments with "auto" resolved."""
-
-
-class AioConfig(Block):
-    """`aio`: asynchronous NVMe I/O settings (legacy `thread_count` is read as `intra_op_parallelism`)."""
-
-    block_size: _Positive = 1_048_576
-    """Bytes per I/O request."""
-    queue_depth: _Positive = 8
-    """Outstanding requests per submission queue."""
-    intra_op_parallelism: _Positive = 1
-    """Threads that split one tensor's I/O."""
-    single_submit: Bool = False
-    """Submit requests one at a time instead of batched."""
-    overlap_events: Bool = True
-    """Overlap submission and completion."""
-    use_gds: Bool = False
-    """Use GPUDirect Storage."""
-
-
-class ParallelWriteConfig(Block):
-    """`checkpoint.parallel_write`."""
-
-    pipeline_stage: Bool = False
-    """Write pipeline-stage checkpoints in parallel."""
-
-
-class CheckpointWriterConfig(Block):
-    """`checkpoint.writer`: DeepSpeed's fast checkpoint writer."""
-
-    type: Annotated[Literal["MOCK", "PYTHON", "FAST"], BeforeValidator(upper)] = "FAST"
-    """Writer implementation."""
-    io_buffer_size: _Positive = 64 * 1024**2
-    """Bytes of the I/O buffer."""
-    io_buffer_double: Bool = True
-    """Double-buffer writes."""
-    show_statistics: Bool = False
-    """Log write statistics."""
-    data_parallel: Annotated[Literal["REPLICA", "SOCKET", "MACHINE"] | None, BeforeValidator(upper)] = None
-    """How data-parallel ranks share the write."""
-    decoupled: Bool = False
-    """Write in a background process."""
-    io_multiplier: _Positive = 1
-    """Writer I/O multiplier."""
-
-
-class CheckpointConfig(Block):
-    """`checkpoint`: checkpoint tagging and writing."""
-
-    tag_validation: Annotated[Literal["WARN", "IGNORE", "FAIL"], BeforeValidator(upper)] = "WARN"
-    """What to do when ranks save under different tags."""
-    load_universal: Bool = False
-    """Load a universal (resharded) checkpoint."""
-    use_node_local_storage: Bool = False
-    """Each node saves to its own local storage."""
-    parallel_write: ParallelWriteConfig = Field(default_factory=ParallelWriteConfig)
-    """Parallel writes of pipeline stages."""
-    checkpoint_serialization: Bool = True
-    """Serialize with torch.save's zipfile format."""
-    writer: CheckpointWriterConfig | None = None
-    """Fast writer settings, None for the default torch.save path."""
-
-
-class TensorBoardConfig(Block):
-    """`tensorboard` monitor."""
-
-    enabled: Bool = False
-    """Log to TensorBoard."""
-    output_path: Str = ""
-    """Log directory; empty means the launch directory."""
-    job_name: Str = "DeepSpeedJobName"
-    """Sub-directory for this job."""
-
-
-class WandbConfig(Block):
-    """`wandb` monitor."""
-
-    enabled: Bool = False
-    """Log to Weights & Biases."""
-    group: OptStr = None
-    """Run group."""
-    team: OptStr = None
-    """Team (entity)."""
-    project: Str = "deepspeed"
-    """Project."""
-
-
-class CSVConfig(Block):
-    """`csv_monitor`."""
-
-    enabled: Bool = False
-    """Log to CSV files."""
-    output_path: Str = ""
-    """Output directory; empty means the launch directory."""
-    job_name: Str = "DeepSpeedJobName"
-    """Sub-directory for this job."""
-
-
-class CometConfig(Block):
-    """`comet` monitor."""
-
-    enabled: Bool = False
-    """Log to Comet."""
-    samples_log_interval: _Positive = 100
-    """Samples between submissions."""
-    project: OptStr = None
-    """Project name."""
-    workspace: OptStr = None
-    """Workspace name."""
-    api_key: OptStr = None
-    """API key (prefer the COMET_API_KEY environment variable)."""
-    experiment_name: OptStr = None
-    """Experiment name."""
-    experiment_key: OptStr = None
-    """Experiment key."""
-    online: OptBool = None
-    """Log online (None = Comet's default)."""
-    mode: OptStr = None
-    """"get", "create" or "get_or_create"."""
-
-
-class CommsLoggerConfig(Block):
-    """`comms_logger`: per-collective logging."""
-
-    enabled: Bool = False
-    """Log collectives."""
-    prof_all: Bool = True
-    """Profile every collective."""
-    prof_ops: StrList = Field(default_factory=list)
-    """Collectives to profile when prof_all is false."""
-    verbose: Bool = False
-    """Log every call."""
-    debug: Bool = False
-    """Include the caller."""
-
-
-class ThroughputTimerConfig(Block):
-    """`timers.throughput`."""
-
-    enabled: Bool = True
-    """Measure throughput."""
-    synchronized: Bool = True
-    """Synchronize the device when timing."""
-
-
-class TimersConfig(Block):
-    """`timers`."""
-
-    throughput: ThroughputTimerConfig = Field(default_factory=ThroughputTimerConfig)
-    """Throughput timer."""

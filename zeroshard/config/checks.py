@@ -65,8 +65,9 @@ import torch
 
 from zeroshard.config.blocks import Block
 from zeroshard.config.errors import Problems, show
-from zeroshard.config.features import FEATURE_BLOCKS, NO_EFFECT, OUT_OF_SCOPE, Feature
+from zeroshard.config.features import FEATURE_BLOCKS
 from zeroshard.config.schema import ZeroshardConfig
+from zeroshard.config.scope import NO_EFFECT, OUT_OF_SCOPE, Feature
 from zeroshard.lr_schedules import build_scheduler
 from zeroshard.optim_factory import build_optimizer
 

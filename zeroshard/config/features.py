@@ -1,5 +1,6 @@
 """DeepSpeed settings zeroshard reads but does not act on, as data: the blocks of features zeroshard does
-not implement, when a config turns each such feature on, and in-scope settings without effect.
+not implement (when a config turns each such feature on, and in-scope settings without effect, are in
+`scope.py`).
 
 The blocks of features zeroshard does not implement are declared as tables (see [Note: features as
 data]) and checked against them, so that a typo inside them is still an error (with a did-you-mean), and
@@ -7,8 +8,7 @@ so that `checks.py` can tell whether a config turns the feature on. Defaults fol
 (`compile/config.py`, `runtime/tensor_parallel/config.py`, `runtime/constants.py`,
 `autotuning/constants.py`, `elasticity/constants.py`, `runtime/config.py`, `nebula/constants.py`,
 `profiling/constants.py`, `activation_checkpointing/config.py`). Blocks whose content DeepSpeed passes on
-unchecked (amp, pipeline, compression_training, ...) are kept as given. `OUT_OF_SCOPE` says when a config
-turns each such feature on; `NO_EFFECT` lists in-scope settings zeroshard does not act on.
+unchecked (amp, pipeline, compression_training, ...) are kept as given.
 """
 
 from __future__ import annotations
@@ -27,9 +27,6 @@ from zeroshard.config.keys import record, unknown_key_message
 
 __all__ = [
     "FEATURE_BLOCKS",
-    "NO_EFFECT",
-    "OUT_OF_SCOPE",
-    "Feature",
     "FeatureBlock",
     "Setting",
     "check_feature_blocks",
@@ -341,119 +338,3 @@ def check_feature_blocks(data: Mapping[str, Any], problems: Problems) -> dict[st
         if key in out and not (block.optional and out[key] is None):
             out[key] = _check_block(block, out[key], key, problems)
     return out
-
-
-@dataclass(frozen=True)
-class Feature:
-    """When a config turns on a DeepSpeed feature zeroshard does not implement.
-
-    Attributes:
-        name: The feature, as the warning names it.
-        at: Dotted location of its settings in the config ("" for the top level).
-        on: "enabled" (the block's `enabled` is true), "changed" (a setting differs from DeepSpeed's
-            default), "present" (the block is given and neither false nor `enabled: false`), or
-            "custom" (`checks.py` has a rule for it).
-        settings: For "changed", only these settings count (default: all of the block's).
-        defaults: For "changed" on a block kept as given, DeepSpeed's defaults (other keys count as
-            changed).
-    """
-
-    name: str
-    at: str
-    on: Literal["enabled", "changed", "present", "custom"]
-    settings: tuple[str, ...] = ()
-    defaults: Mapping[str, Any] | None = None
-
-
-_ZERO_PLUS_PLUS = (
-    "zero_quantized_weights",
-    "zero_quantized_nontrainable_weights",
-    "zero_quantized_gradients",
-    "zero_hpz_partition_size",
-    "zeropp_loco_param",
-)
-_ZERO_INTERNALS = (
-    "legacy_stage1",
-    "elastic_checkpoint",
-    "use_multi_rank_bucket_allreduce",
-    "use_all_reduce_for_fetch_params",
-    "allgather_sequential",
-    "memory_efficient_linear",
-    "pipeline_loading_checkpoint",
-    "override_module_apply",
-    "log_trace_cache_warnings",
-    "enable_sanity_checks",
-    "save_muon_momentum_buffer_in_memory",
-)
-_ENGINE_SWITCHES = (
-    "managed_gradient_accumulation",
-    "disable_allgather",
-    "dump_state",
-    "graph_harvesting",
-    "use_data_before_expert_parallelism",
-)
-_PIPELINE_DEFAULTS = {
-    "stages": "auto",
-    "partition": "best",
-    "seed_layers": False,
-    "activation_checkpoint_interval": 0,
-    "pipe_partitioned": True,
-    "grad_partitioned": True,
-}
-
-OUT_OF_SCOPE: tuple[Feature, ...] = (
-    Feature("pipeline parallelism", "pipeline", "changed", defaults=_PIPELINE_DEFAULTS),
-    Feature("tensor parallelism (AutoTP)", "tensor_parallel", "changed"),
-    Feature("the FLOPs profiler", "flops_profiler", "enabled"),
-    Feature("ZeRO++", "zero_optimization", "changed", _ZERO_PLUS_PLUS),
-    Feature("MiCS", "zero_optimization", "changed", ("mics_shard_size", "mics_hierarchical_params_gather")),
-    Feature("ZenFlow", "zero_optimization.zenflow", "present"),
-    Feature("SuperOffload", "zero_optimization.offload_optimizer", "changed", ("super_offload",)),
-    Feature("DeepSpeed-internal ZeRO switches", "zero_optimization", "changed", _ZERO_INTERNALS),
-    Feature("sparse attention", "sparse_attention", "present"),
-    Feature("compression training", "compression_training", "custom"),
-    Feature("quantize-aware training (MoQ)", "quantize_training", "enabled"),
-    Feature("inference weight quantization", "weight_quantization", "present"),
-    Feature("DeepSpeed activation checkpointing", "activation_checkpointing", "changed"),
-    Feature("eigenvalue computation", "eigenvalue", "enabled"),
-    Feature("progressive layer drop", "progressive_layer_drop", "enabled"),
-    Feature("curriculum learning", "curriculum_learning", "enabled"),
-    Feature("the data efficiency library", "data_efficiency", "enabled"),
-    Feature("elastic training", "elasticity", "enabled"),
-    Feature("the autotuner", "autotuning", "enabled"),
-    Feature("Apex AMP", "amp", "enabled"),
-    Feature("torch.autocast", "torch_autocast", "enabled"),
-    Feature("DeepSpeed compile", "compile", "changed"),
-    Feature("sequence parallelism", "", "custom"),
-    Feature("expert parallelism (AutoEP)", "expert_parallel", "enabled"),
-    Feature("the hybrid engine", "hybrid_engine", "enabled"),
-    Feature("Nebula checkpointing", "nebula", "enabled"),
-    Feature("DataStates checkpointing", "datastates_ckpt", "present"),
-    Feature("DeepSpeed engine switches", "", "changed", _ENGINE_SWITCHES),
-)
-"""Every DeepSpeed feature zeroshard does not implement, and when a config turns it on; one warning per
-feature turned on names its settings (see [Note: out-of-scope features] in checks.py)."""
-
-_FP32_STATE = (
-    "zeroshard keeps the master weights, the gradients they are stepped with and the optimizer state in fp32"
-)
-
-NO_EFFECT: tuple[tuple[str, Any, str], ...] = (
-    (
-        "gradient_allreduce_op",
-        "sum",
-        'zeroshard always averages gradients over the data-parallel ranks, as "mean" (the default) does',
-    ),
-    ("sparse_gradients", True, "zeroshard reduces every gradient as a dense tensor"),
-    ("fp16.fp16_master_weights_and_grads", True, _FP32_STATE),
-    ("bf16.bf16_master_weights_and_grads", True, _FP32_STATE),
-    ("bf16.bf16_optimizer_states", True, _FP32_STATE),
-    (
-        "memory_breakdown",
-        True,
-        "zeroshard does not log allocator memory; the steps_per_print line and engine.memory_breakdown() "
-        "report this rank's parameter, gradient, optimizer-state and buffer bytes",
-    ),
-)
-"""In-scope settings zeroshard does not act on: (dotted key, the value that warns, what zeroshard does
-instead). See [Note: settings without effect] in checks.py."""

@@ -13,7 +13,7 @@ import math
 from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 from pydantic_core import PydanticCustomError
 
 __all__ = [
@@ -108,6 +108,8 @@ OptStrList = Annotated[list[str] | None, BeforeValidator(lambda v: v if v is Non
 """A list of strings or null."""
 IntOrAuto = Annotated[int | str, BeforeValidator(lambda v: v if v == "auto" else coerce_int(v))]
 """An integer or the string "auto" (for DeepSpeed fields whose own default is "auto")."""
+PositiveInt = Annotated[Int, Field(gt=0)]
+"""An integer above zero."""
 
 
 class Block(BaseModel):
