@@ -26,7 +26,7 @@ With ``master_device`` (CPU offload beside a GPU) the master lives in CPU memory
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -382,3 +382,11 @@ class FlatUnit:
             # fp32 stage 3: the master shard is the parameter shard itself.
             params, master = params + master, 0
         return {"parameters": params, "gradients": grads.numel() * grads.element_size(), "master": master}
+
+
+def unique_units(units: Iterable[FlatUnit]) -> list[FlatUnit]:
+    """Each unit once, in the order first seen."""
+    out: dict[int, FlatUnit] = {}
+    for unit in units:
+        out.setdefault(unit.index, unit)
+    return list(out.values())

@@ -64,7 +64,7 @@ from torch.utils.hooks import RemovableHandle
 
 from zeroshard.core.buffers import BufferPool
 from zeroshard.core.comm import Comm
-from zeroshard.core.flat_param import FlatUnit
+from zeroshard.core.flat_param import FlatUnit, unique_units
 from zeroshard.core.gather_check import GatherChecks
 from zeroshard.core.param_access import ParameterAccess
 from zeroshard.core.prefetch import PrefetchSchedule
@@ -403,10 +403,3 @@ def _eager(hook: Callable[..., Any]) -> Callable[..., Any]:
     Traced instead, the gathers would break the graph at every collective and every buffer check."""
     disabled: Callable[..., Any] = torch.compiler.disable(hook, recursive=True)
     return disabled
-
-
-def unique_units(units: Iterable[FlatUnit]) -> list[FlatUnit]:
-    out: dict[int, FlatUnit] = {}
-    for unit in units:
-        out.setdefault(unit.index, unit)
-    return list(out.values())

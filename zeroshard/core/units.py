@@ -28,8 +28,7 @@ from torch import nn
 from zeroshard.config import ZeroshardConfig
 from zeroshard.core.buffers import BufferPool
 from zeroshard.core.comm import Comm
-from zeroshard.core.flat_param import FlatUnit
-from zeroshard.core.hooks import unique_units
+from zeroshard.core.flat_param import FlatUnit, unique_units
 from zeroshard.core.marks import external_parameters, leaf_classes
 from zeroshard.core.precision import DtypePolicy
 from zeroshard.core.stages import STAGES, StagePlan
