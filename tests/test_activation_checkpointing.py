@@ -61,6 +61,21 @@ class Blocks(nn.Module):
         return F.cross_entropy(self.head(h), y)
 
 
+class SharedBlock(Blocks):
+    """One block applied three times (ALBERT-style weight sharing) after an input layer: with reentrant
+    checkpointing each application's backward delivers a gradient of its own ([Note: repeated gradients]).
+    Without the input layer (``embed=False``) nothing is left to arrive after the first region's backward."""
+
+    def __init__(self, reentrant: bool | str | None, embed: bool = True) -> None:
+        super().__init__(reentrant)
+        block = Block()
+        self.blocks = nn.ModuleList([block, block, block])
+        self.embed = nn.Linear(8, 8) if embed else nn.Identity()
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return super().forward(self.embed(x), y)
+
+
 def _llama(checkpointing: bool) -> nn.Module:
     model = tiny_llama(seed=0)
     if checkpointing:
@@ -90,11 +105,14 @@ def _loss(kind: str, model: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tens
 
 
 def _build(kind: str, variant: Any) -> nn.Module:
+    if kind.startswith("shared"):
+        torch.manual_seed(0)
+        return SharedBlock(variant, embed=kind == "shared")
     return _llama(checkpointing=variant is not None) if kind == "llama" else _blocks(variant)
 
 
-def _config(stage: int, offload_param: bool) -> dict[str, Any]:
-    zero: dict[str, Any] = {"stage": stage, "stage3_param_persistence_threshold": 0}
+def _config(stage: int, offload_param: bool, persist: int = 0) -> dict[str, Any]:
+    zero: dict[str, Any] = {"stage": stage, "stage3_param_persistence_threshold": persist}
     if offload_param:
         zero["offload_param"] = {"device": "cpu"}
     return {
@@ -108,12 +126,11 @@ def _config(stage: int, offload_param: bool) -> dict[str, Any]:
 
 def _train_zeroshard(rank: int, case: dict[str, Any]) -> dict[str, torch.Tensor]:
     model = _build(case["kind"], case["variant"])
-    engine, *_ = zeroshard.initialize(
-        model=model, model_parameters=model.parameters(), config=_config(case["stage"], case["offload"])
-    )
+    config = _config(case["stage"], case["offload"], case.get("persist", 0))
+    engine, *_ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=config)
     for step in range(STEPS):
         x, y = _data(case["kind"], step, rank)
-        if case["kind"] == "blocks" and case["variant"] in (True, "deepspeed"):
+        if case["kind"] != "llama" and case["variant"] in (True, "deepspeed"):
             x.requires_grad_(True)  # reentrant checkpoint needs an input that requires grad
         loss = _loss(case["kind"], engine, x, y)
         engine.backward(loss)
@@ -163,3 +180,44 @@ def test_torch_and_hf_checkpointing_every_stage() -> None:
     cases.append({"kind": "llama", "variant": True, "stage": 3, "offload": True})
     report = run_distributed(worker, WORLD, cases, timeout=380)[0]
     assert len(report) == len(cases)
+
+
+def shared_worker(rank: int, world_size: int, cases: list[dict[str, Any]]) -> list[str]:
+    """Like ``worker``; a case with ``raises`` must fail with that text in a RuntimeError instead."""
+    references = {kind: _train_reference(kind) for kind in {c["kind"] for c in cases}}
+    out = []
+    for case in cases:
+        try:
+            got = _train_zeroshard(rank, case)
+        except RuntimeError as error:
+            if case.get("raises") and case["raises"] in str(error):
+                out.append(f"{case}: raised")
+                continue
+            raise
+        if case.get("raises"):
+            raise AssertionError(f"rank {rank}: {case} trained instead of raising")
+        ref = references[case["kind"]]
+        worst = max(((got[k] - ref[k]).norm() / ref[k].norm()).item() for k in ref)
+        out.append(f"{case}: {worst:.2e}")
+        if not worst <= TOLERANCE:
+            raise AssertionError(f"rank {rank}: {case} differs from one-process training by {worst:.2e}")
+    return out
+
+
+def test_shared_module_under_reentrant_checkpointing() -> None:
+    """A block used three times, each use in a reentrant checkpoint region, gets three gradients per
+    backward ([Note: repeated gradients]). Where they all reach the unit before its reduction (stages 0-2
+    with the input layer in the same unit, arriving last; stage 3 with the model kept whole) they are summed
+    and training matches one process. Where the unit went to its reduction in between (stage 3 sharded: the
+    block is recomputed after its unit was released; stage 0 without the input layer: the last parameter
+    arrived in the first region) a named error says what to change, on both ranks, instead of a crash or a
+    dropped gradient. Non-reentrant checkpointing of the same model trains exactly at stage 3."""
+    shared = {"kind": "shared", "offload": False}
+    cases: list[dict[str, Any]] = [{**shared, "variant": True, "stage": stage} for stage in (0, 1, 2)]
+    cases.append({**shared, "variant": "deepspeed", "stage": 2})
+    cases.append({**shared, "variant": True, "stage": 3, "persist": 10**6})
+    cases.append({**shared, "variant": False, "stage": 3})
+    cases.append({**shared, "variant": True, "stage": 3, "raises": "Linear ran again"})
+    cases.append({**shared, "kind": "shared-only", "variant": True, "stage": 0, "raises": "second gradient"})
+    for report in run_distributed(shared_worker, WORLD, cases, timeout=200):
+        assert [line.endswith("raised") for line in report] == [bool(c.get("raises")) for c in cases]

@@ -33,6 +33,16 @@ sum is divided by ``world_size`` after it.
 
 How many reductions stay in flight, and which may be waited for before the backward ends:
 ``inflight.py``, [Note: bounded reductions].
+
+[Note: repeated gradients]
+The post-accumulate hook runs once per ``AccumulateGrad`` execution, which is once per backward for a
+parameter, however many times the forward used it, except where a backward runs inside the backward:
+reentrant activation checkpointing (``torch.utils.checkpoint(use_reentrant=True)``, DeepSpeed's
+``checkpointing.checkpoint``) differentiates each region in a backward of its own, so a parameter used in
+two regions, or in one and outside it, gets one gradient from each. A unit counts as complete once each of
+its parameters has arrived once; a repeat before that is added to the first, and a repeat after the unit
+went to its reduction (whose result no longer can include it) raises an error naming the parameter, as DDP
+and DeepSpeed do, instead of dropping the gradient or adding it into a buffer being reduced.
 """
 
 from __future__ import annotations
@@ -53,6 +63,18 @@ from zeroshard.core.stages import StagePlan
 # Units smaller than this share a reduction group up to this many elements (4 MiB of fp32 gradients),
 # within reduce_bucket_size: each reduce-scatter's fixed cost is paid once for many small modules.
 SMALL_BUCKET_ELEMENTS = 1 << 20
+
+
+def reentrant_reuse_error(rank: int, unit: FlatUnit, what: str) -> RuntimeError:
+    """The error of [Note: repeated gradients]; ``what`` says what happened to ``unit`` too late."""
+    return RuntimeError(
+        f"rank {rank}: {what} after the gradients of unit {unit.index} ({', '.join(unit.names)}) had "
+        "gone to their reduction in this backward: the module ran in more than one reentrant "
+        "activation-checkpointing region (torch.utils.checkpoint(use_reentrant=True) or "
+        "deepspeed.checkpointing.checkpoint), or inside one and outside it, and each region's backward "
+        "delivers a gradient of its own. Use use_reentrant=False (non-reentrant checkpointing gives each "
+        "parameter one gradient per backward), or checkpoint every use of the shared module in one region"
+    )
 
 
 def _zero(bucket: torch.Tensor, runs: list[tuple[int, int, int]]) -> None:
@@ -121,7 +143,8 @@ class GradientReducer:
                 runs = group.layout.runs
                 self._runs[unit.index] = [runs(k, *unit.param_range(i)) for i in range(len(unit.params))]
                 self._padding[unit.index] = runs(k, unit.layout.total, unit.layout.padded)
-        self._arrived = [0] * len(self.units)
+        self._arrived = [0] * len(self.units)  # per unit, how many parameters got a gradient in this backward
+        self._arrived_params: list[set[int]] = [set() for _ in self.units]  # which ones
         self._complete_units = [0] * len(self.groups)
         self._handed = [False] * len(self.units)  # on_reduced called in this backward
         self._next = 0
@@ -182,6 +205,7 @@ class GradientReducer:
         """Start a backward; ``reduce`` says whether this backward's gradients are reduced (boundary)."""
         self._reducing = reduce or self.plan.reduce_every_micro_step
         self._arrived = [0] * len(self.units)
+        self._arrived_params = [set() for _ in self.units]
         self._in_backward = True
         self._complete_units = [0] * len(self.groups)
         self._handed = [False] * len(self.units)
@@ -212,8 +236,16 @@ class GradientReducer:
 
     def _accumulate(self, unit: FlatUnit, i: int, grad: torch.Tensor, adoptable: bool = False) -> None:
         """Add parameter ``i``'s gradient into ``unit``'s accumulator or its group's bucket; with
-        ``adoptable`` (no one else can hold ``grad``) it may become the bucket itself (_adopt_as_bucket)."""
+        ``adoptable`` (no one else can hold ``grad``) it may become the bucket itself (_adopt_as_bucket).
+
+        A parameter's gradient may arrive more than once in one backward ([Note: repeated gradients]): the
+        arrivals are summed, and one after the unit went to its reduction is an error."""
+        if self._handed[unit.index] and self._reducing:
+            what = f"parameter {unit.names[i]!r} got a second gradient"
+            raise reentrant_reuse_error(self.comm.rank, unit, what)
         g = self._group_of[unit.index]
+        arrived = self._arrived_params[unit.index]
+        repeat = i in arrived
         if unit.keeps_full_grad:
             lo, hi = unit.param_range(i)
             unit.kept_grad()[lo:hi].add_(grad.reshape(-1))
@@ -229,10 +261,17 @@ class GradientReducer:
                     self._track_bucket_bytes()
                 flat = grad.reshape(-1)
                 for start, offset, numel in self._runs[unit.index][i]:
-                    bucket[start : start + numel].copy_(flat[offset : offset + numel])
-                self._filled[unit.index].append(i)
+                    if repeat:
+                        bucket[start : start + numel].add_(flat[offset : offset + numel])
+                    else:
+                        bucket[start : start + numel].copy_(flat[offset : offset + numel])
+                if not repeat:
+                    self._filled[unit.index].append(i)
         unit.has_grad[i] = True
         self.needs_reduction = True
+        if repeat:
+            return
+        arrived.add(i)
         self._arrived[unit.index] += 1
         if self._reducing and self._arrived[unit.index] == len(unit.params):
             self._hand_over(unit)

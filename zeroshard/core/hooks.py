@@ -66,6 +66,7 @@ from zeroshard.core.buffers import BufferPool
 from zeroshard.core.comm import Comm
 from zeroshard.core.flat_param import FlatUnit, unique_units
 from zeroshard.core.gather_check import GatherChecks
+from zeroshard.core.grad_sync import reentrant_reuse_error
 from zeroshard.core.param_access import ParameterAccess
 from zeroshard.core.prefetch import PrefetchSchedule
 from zeroshard.core.saved_views import SavedViews
@@ -216,6 +217,8 @@ class ParameterGatherer:
             units = self._units_of[key]
             if self._in_backward:  # a recomputation: never spent in this backward
                 self._spent.recomputed.update(u.index for u in units)
+                for unit in (u for u in units if u.index in self._done):
+                    raise reentrant_reuse_error(self.comm.rank, unit, f"{type(module).__name__} ran again")
             self.gather(units)
             if self._in_backward:
                 return  # a recomputation: nothing to count, its post-hook may never run ([Note: recompute])
