@@ -6,6 +6,7 @@ import copy
 import dataclasses
 import functools
 import os
+import time
 from typing import Any
 
 import pytest
@@ -49,6 +50,11 @@ def _step(engine: Any, rank: int) -> None:
 def _record_release(log: list[int], stats: Any, release: Any, unit: Any) -> None:
     log.append(stats.calls_by_op["reduce_scatter"])
     release(unit)
+
+
+def _record_gather_free(log: list[bool], gatherer: Any, begin: Any) -> None:
+    begin()
+    log.append(gatherer.gather_free)
 
 
 def volume_and_memory(rank: int, world_size: int) -> dict[str, Any]:
@@ -107,6 +113,27 @@ def volume_and_memory(rank: int, world_size: int) -> dict[str, Any]:
             pool.high_water_bytes == high,
             engine.memory_breakdown().cached_buffers == pool.idle_bytes > 0,
         )
+    # A gather-free backward (inflight.py [Note: bounded reductions]): with DeepSpeed's reuse distance every
+    # unit stays gathered from forward to backward, the backward gathers nothing, and a rank whose peer is
+    # slower (here rank 1 sleeps in every block's backward) still waits for its oldest reductions instead of
+    # holding all 8 blocks' buckets.
+    model = _blocks(8)
+    if rank == 1:
+        for layer in model:
+            layer.register_full_backward_pre_hook(lambda *_: time.sleep(0.02))
+    config = _config(3, stage3_max_reuse_distance=10**9, reduce_bucket_size=WIDTH * WIDTH + WIDTH)
+    engine, _, _, _ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=config)
+    free: list[bool] = []
+    gatherer = engine.gatherer
+    gatherer.begin_backward = functools.partial(_record_gather_free, free, gatherer, gatherer.begin_backward)
+    steps = []
+    for _ in range(4):
+        engine.reducer.peak_bucket_bytes = 0
+        engine.comm.stats.reset()
+        _step(engine, rank)
+        gathers = engine.comm.stats.calls_by_op["all_gather"]
+        steps.append((free[-1], engine.reducer.peak_bucket_bytes / block, gathers))
+    out["gather_free"] = steps
     # grad_sync.py [Note: gradient flow]: consecutive units share one reduce-scatter, in buckets of at most
     # reduce_bucket_size elements and never more than the largest unit (here a head of three blocks) or
     # SMALL_BUCKET_ELEMENTS (0 here, so that the largest unit bounds the groups; "small": as shipped, which
@@ -179,6 +206,10 @@ def test_three_psi_bounded_gathered_memory_and_module_api(world_size: int) -> No
     assert result["groupedNone"] == ({"all_gather": 17, "reduce_scatter": 4}, True, [1, 3, 3, 2], released)
     released = [0, 1, 1, 2, 2, 3, 3, 4, 4]
     assert result["grouped2"] == ({"all_gather": 17, "reduce_scatter": 5}, True, [1, 2, 2, 2, 2], released)
+    # The first step gathers in backward (no order recorded yet); then every backward is gather-free, the
+    # forward gathers the 8 units once, and at most MAX_INFLIGHT + 1 buckets of a block are held at once.
+    assert [free for free, _, _ in result["gather_free"]] == [False, True, True, True], result["gather_free"]
+    assert all(gathers == 8 and buckets <= 3.01 for _, buckets, gathers in result["gather_free"][1:]), result
     # One group for the whole model: one reduce-scatter; each unit still released as its gradients arrive.
     assert result["groupedsmall"] == ({"all_gather": 17, "reduce_scatter": 1}, True, [9], [0] * 9)
     # No churn: a step allocates only to replace buffers let go of before the end of a backward (this one's

@@ -156,6 +156,7 @@ def initialize(
             )
             gatherer.register(model)
             reducer.on_reduced = gatherer.on_reduced
+            reducer.backward_gathers = lambda: not gatherer.gather_free  # [Note: bounded reductions]
             gatherer.on_last_gather = reducer.retire_launched  # [Note: trim before the backward's end]
         trained = TrainedParameters(units, gatherer, comm)
         install_state_dict_hooks(model, trained)

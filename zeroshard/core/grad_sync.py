@@ -167,6 +167,8 @@ class GradientReducer:
         # Called once a unit's gradients are all in its bucket or handed to the reduction (stage 3 frees
         # its parameters).
         self.on_reduced: Callable[[FlatUnit], None] | None = None
+        # Whether this backward may still gather parameters (stage 3; [Note: bounded reductions]).
+        self.backward_gathers: Callable[[], bool] = lambda: self.plan.shard_parameters
 
     # -- hooks ---------------------------------------------------------------------------------------
     def register_hooks(self) -> None:
@@ -418,11 +420,12 @@ class GradientReducer:
 
         held = 0 if group.keeps_full else full.numel() * full.element_size()
         marker = None
-        # Only where a rank's backward gathers parameters (stage 3) can waiting for a peer's launch
-        # deadlock; elsewhere the oldest reduction is simply waited for ([Note: bounded reductions]).
+        # Only where a rank's backward gathers parameters (stage 3, unless every unit is gathered already)
+        # can waiting for a peer's launch deadlock; elsewhere the oldest reduction is simply waited for
+        # ([Note: bounded reductions]).
         # Only a group with more than MAX_INFLIGHT groups after it can be the oldest beyond the bound: the
         # last ones are waited for at the end of backward, markers or not (the same groups on every rank).
-        guarded = bool(self.overlap_comm and held and self.plan.shard_parameters)
+        guarded = bool(self.overlap_comm and held and self.backward_gathers())
         if guarded and group.index < len(self.groups) - MAX_INFLIGHT:
             marker = self.comm.agree_async([self._next], what=f"reduction marker of {names}")
         self._inflight.add(pending, then, held, marker=marker, guarded=guarded)

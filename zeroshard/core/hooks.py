@@ -127,6 +127,9 @@ class ParameterGatherer:
         # Between the first backward hook of a step and end_backward: a module forward that runs now is a
         # recomputation (activation checkpointing), whose units backward needs next; see [Note: recompute].
         self._in_backward = False
+        # This engine's backward started with every unit gathered, so it gathers nothing ([Note: bounded
+        # reductions]): the reducer may wait for any reduction, and nothing may be gathered (or spent).
+        self.gather_free = False
         self._backwards = 0  # backwards ended: a hook gathers once per backward (retain_graph)
         self._running: list[int] = []  # keys of the hooked modules whose forward is running, innermost last
         self._access: list[contextlib.ExitStack] = []  # one per running model forward, each a ParameterAccess
@@ -304,6 +307,8 @@ class ParameterGatherer:
     def _spend(self, unit: FlatUnit) -> bool:
         """Release ``unit`` if it is spent (and say whether it is); not while a forward or a hold uses it,
         nor once its gradients were reduced."""
+        if self.gather_free:
+            return False  # a spent unit may be recomputed, which would gather it again
         return self._spent.spend(unit, busy=self._users[unit.index] > 0 or unit.index in self._done)
 
     def _release_spent(self) -> None:
@@ -317,6 +322,12 @@ class ParameterGatherer:
         """Launch the all-gathers of ``units`` with their gather check ([Note: gather check])."""
         if not units:
             return
+        if self.gather_free:
+            raise RuntimeError(
+                f"rank {self.comm.rank}: {self._describe(units[0].index)} is gathered again in a backward "
+                "that began with every unit gathered and so does not wait for its peers' gathers; its "
+                "gradients were already reduced (a GatheredParameters inside backward?)"
+            )
         self._checks.launch([u.index for u in units])
         for unit in units:
             unit.start_gather(self.comm)
@@ -361,8 +372,10 @@ class ParameterGatherer:
                     unit.release()
 
     def begin_backward(self) -> None:
-        """Backward starts: forwards that run from now to :meth:`end_backward` are recomputations."""
+        """Backward starts: forwards that run from now to :meth:`end_backward` are recomputations. Whether
+        it is gather-free is the same on every rank: which units are gathered follows last step's order."""
         self._in_backward = True
+        self.gather_free = all(u.gathered for u in self._all_units() if u.plan.shard_parameters)
 
     def on_reduced(self, unit: FlatUnit) -> None:
         """The reducer took ``unit``'s gradients: its full parameters are not needed any more."""
@@ -379,6 +392,7 @@ class ParameterGatherer:
         self._done.clear()
         self._spent.end_backward()
         self._in_backward = False
+        self.gather_free = False
         self._backwards += 1
         self.end_step()
 

@@ -14,6 +14,15 @@ every reduction (and which :meth:`~zeroshard.core.grad_sync.GradientReducer.reti
 flight). Where parameters are not gathered in backward (stages 0-2) a peer reaches every launch without
 waiting for this rank, so there is no marker: the oldest reduction beyond ``MAX_INFLIGHT`` is waited for at
 once, which bounds stage 2's buckets by the unit size times ``MAX_INFLIGHT + 1`` whatever the model's size.
+
+The same holds for a stage-3 backward that begins with every unit gathered (DeepSpeed's default
+``stage3_max_reuse_distance`` keeps a smaller model's units from forward to backward): no rank gathers in it,
+so no peer can be waiting for this rank's gather. Whether a backward is such a *gather-free* one is decided
+at its start, the same on every rank (which units are gathered follows last step's order), so every rank
+launches the same markers, none. It stays gather-free: units whose gradients were reduced are not gathered
+again in the same backward (``hooks.py``), no unit is spent early (a recomputation would gather it again),
+and a gather asked for anyway raises an error instead of risking the wait. Without this a rank that runs
+ahead would hold every bucket it launched until a peer catches up, since no gather makes the ranks meet.
 """
 
 from __future__ import annotations
