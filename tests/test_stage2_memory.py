@@ -34,11 +34,15 @@ def _mlp(width: int = 127, depth: int = 8) -> nn.Module:
 
 def _held_bytes(engine: Any) -> int:
     """Distinct storages of every tensor the engine keeps between steps: the units' buffers and the
-    optimizer's state (the gradient buckets are transient and counted separately)."""
+    optimizer's state (the gradient buckets are transient and counted separately; a stage-2 gradient shard
+    exists only from its reduction to the step's zero_grad: flat_param.py [Note: gradient shards on
+    demand])."""
     seen: dict[int, int] = {}
     tensors: list[torch.Tensor] = []
     for unit in engine.units:
-        tensors += [unit.full, unit.master, unit.grad_shard]
+        tensors += [unit.full, unit.master]
+        if unit.holds_grad_shard:
+            tensors.append(unit.grad_shard)
         if unit.grad_full is not None:
             tensors.append(unit.grad_full)
     for state in engine.optimizer.state.values():
@@ -64,13 +68,17 @@ def _run(
     torch.manual_seed(rank)
     in_features = model[0].in_features
     during: list[Any] = []
+    shards: list[tuple[bool, bool]] = []  # every unit holds a gradient shard: after forward, after backward
     for _ in range(2):  # two optimizer steps: the optimizer state exists from the first on
         for _ in range(gas):
             loss = engine(torch.randn(4, in_features)).pow(2).mean()
+            held = all(u.holds_grad_shard for u in engine.units)
             engine.backward(loss)
+            shards.append((held, all(u.holds_grad_shard for u in engine.units)))
             during.append(engine.memory_breakdown())  # gradients held between backward and step
             engine.step()
     return {
+        "shards": shards,
         "during": during,
         "after": engine.memory_breakdown(),
         "held": _held_bytes(engine),
@@ -116,10 +124,15 @@ def _check_formula_within_the_bucket_allowance(per_rank: list[Any], world_size: 
                     assert mb.communication_buffers < 4 * n // 2  # bounded by the bucket, not the model
                 else:
                     assert mb.communication_buffers == 0 and mb.gradients >= 4 * n
-            # The tensors themselves, counted independently of memory_breakdown().
+            # The tensors themselves, counted independently of memory_breakdown(), which counts stage 2's
+            # gradient shards at their size (they exist from the first reduction to the step's zero_grad).
             after = r["after"]
-            assert r["held"] == after.parameters + after.gradients + after.optimizer_state
-            assert abs(r["held"] - formula) <= slack
+            shards = 4 * sum(u // w for u in r["unit_sizes"]) if stage == 2 else 0
+            assert r["held"] + shards == after.parameters + after.gradients + after.optimizer_state
+            # Stage 2 holds gradient shards only from the backward to the step; stage 1 its full gradients.
+            held = [(stage == 1 or i % gas != 0, True) for i in range(2 * gas)]
+            assert r["shards"] == held, (stage, gas, r["shards"])
+            assert abs(r["held"] + shards - formula) <= slack
             # Idle pooled buffers are bounded like the buckets (buffers.py [Note: buffer reuse]).
             assert r["idle"] <= (MAX_INFLIGHT + 3) * largest
         # Stage 2 saves (W-1)/W of the gradient over stage 1, with GAS 1 and 2.
@@ -141,7 +154,11 @@ def _check_units_bounded_with_the_default_reduce_bucket_size(per_rank: list[Any]
         mb = r["after"]
         assert mb.communication_buffers <= (MAX_INFLIGHT + 1) * 4 * MAX_UNIT_ELEMENTS
         assert abs(mb.gradients - 4 * n // 2) <= 8 * len(r["unit_sizes"])
-        assert abs(r["held"] - (4 * n + 12 * n // 2)) <= 32 * len(r["unit_sizes"]) + 4 * r["slices"]
+        # Between steps the gradient shards are dropped ([Note: gradient shards on demand]).
+        assert (
+            abs(r["held"] + mb.gradients - (4 * n + 12 * n // 2))
+            <= 32 * len(r["unit_sizes"]) + 4 * r["slices"]
+        )
 
 
 def _full_grads(rank: int, world_size: int) -> list[str]:

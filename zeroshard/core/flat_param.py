@@ -10,6 +10,16 @@ For each unit (see ``layout.py`` [Note: flat layout]) this rank keeps:
 * the gradient accumulator, in the accumulation dtype: either ``grad_full`` (the whole flat space, kept
   when the stage does not shard gradients; ``grad_shard`` is then its own slice) or only ``grad_shard``.
 
+[Note: gradient shards on demand]
+Where gradients are sharded (stages 2, 3) a unit's ``grad_shard`` exists only from its first reduction
+after a ``zero_grad`` to the next: the reduction's result becomes the shard (later micro-steps add into it)
+and ``zero_grad``, which the engine calls after every step, drops it, as ``set_to_none`` drops a
+parameter's ``.grad`` (FSDP2 does the same). So the forward, and the backward until each unit's gradients
+arrive, run without the 4N/W bytes (fp32) of gradient shards: at the forward's end, where activations
+peak, the model state is the parameters and the optimizer state only. Reading ``grad_shard`` when there is
+none gives a zero shard (nothing was reduced); ``bytes_held`` counts the shard at its size either way, as
+it is part of the model state at the step.
+
 At stage 0 the shard world is 1: a rank's "shard" is the whole unit, which is how stage 0 steps everything
 without a code path of its own.
 
@@ -131,7 +141,6 @@ class OptimizerSlice:
     unit: FlatUnit
     piece: Piece
     master: torch.Tensor  # 1-D view into unit.master
-    grad: torch.Tensor  # 1-D view into unit.grad_shard
 
     @property
     def param(self) -> nn.Parameter:
@@ -191,12 +200,13 @@ class FlatUnit:
         if plan.shard_parameters:
             self.release()
         self.pool = pool  # where gathered buffers come from and go back to (stage 3), see buffers.py
+        self._grad_dtype = policy.accumulate
+        self._grad_shard: torch.Tensor | None = None  # [Note: gradient shards on demand]
         if plan.shard_gradients:
             self.grad_full: torch.Tensor | None = None
-            self.grad_shard = torch.zeros(hi - lo, dtype=policy.accumulate, device=device)
         else:
             self.grad_full = torch.zeros(self.layout.padded, dtype=policy.accumulate, device=device)
-            self.grad_shard = self.grad_full[lo:hi]
+            self._grad_shard = self.grad_full[lo:hi]
         # Which parameters received a gradient since the last zero_grad (on this rank).
         self.has_grad = torch.zeros(len(self.params), dtype=torch.bool)
         # Whether the gradient shard holds values reduced across ranks (set by the reducer): always once a
@@ -224,13 +234,12 @@ class FlatUnit:
 
     def optimizer_slices(self) -> list[OptimizerSlice]:
         """This rank's pieces of each parameter: the store's master tensors (1-D views of ``master`` when it
-        is in memory) and 1-D views of ``grad_shard``."""
+        is in memory)."""
         return [
             OptimizerSlice(
                 unit=self,
                 piece=piece,
                 master=self.store.master_piece(self, piece.shard_start, piece.numel),
-                grad=self.grad_shard[piece.shard_start : piece.shard_start + piece.numel],
             )
             for piece in self.layout.pieces(self.rank)
         ]
@@ -362,18 +371,46 @@ class FlatUnit:
             )
         return self.grad_full
 
+    @property
+    def grad_shard(self) -> torch.Tensor:
+        """This rank's gradient shard, in the accumulation dtype: zero where nothing was reduced since the
+        last :meth:`zero_grad` ([Note: gradient shards on demand])."""
+        if self._grad_shard is None:
+            self._grad_shard = self._new_grad_shard()
+            self._grad_shard.zero_()
+        return self._grad_shard
+
+    @property
+    def holds_grad_shard(self) -> bool:
+        return self._grad_shard is not None
+
+    def _new_grad_shard(self) -> torch.Tensor:
+        return torch.empty(self.layout.shard_size, dtype=self._grad_dtype, device=self.device)
+
+    def add_reduced_grad(self, reduced: torch.Tensor, factor: float) -> None:
+        """Add ``factor`` times ``reduced`` (this rank's part of a reduction) into the gradient shard; the
+        first since :meth:`zero_grad` becomes the shard (the same values: there was nothing to add to)."""
+        if self._grad_shard is None:
+            shard = self._new_grad_shard()
+            shard.copy_(reduced).mul_(factor)
+            self._grad_shard = shard
+        else:
+            self._grad_shard.add_(reduced.to(self._grad_dtype), alpha=factor)
+
     def zero_grad(self) -> None:
         if self.keeps_full_grad:
             self.kept_grad().zero_()
         else:
-            self.grad_shard.zero_()
+            self._grad_shard = None  # [Note: gradient shards on demand]
         self.has_grad.zero_()
         self.grad_reduced = False
 
     def bytes_held(self) -> dict[str, int]:
         """Bytes of the tensors this unit owns, by kind (shared storage counted once)."""
         params = self.full.numel() * self.full.element_size()
-        grads = self.kept_grad() if self.keeps_full_grad else self.grad_shard
+        grad_bytes = self.layout.shard_size * self._grad_dtype.itemsize  # held or not: at the step it is
+        if self.keeps_full_grad:
+            grad_bytes = self.kept_grad().numel() * self.kept_grad().element_size()
         master = 0 if not self.separate_master else (self.master.numel() * self.master.element_size())
         held = self.store.held_param_shard()
         if held is not None:
@@ -381,7 +418,7 @@ class FlatUnit:
         elif self.plan.shard_parameters and self.policy.master_is_compute:
             # fp32 stage 3: the master shard is the parameter shard itself.
             params, master = params + master, 0
-        return {"parameters": params, "gradients": grads.numel() * grads.element_size(), "master": master}
+        return {"parameters": params, "gradients": grad_bytes, "master": master}
 
 
 def unique_units(units: Iterable[FlatUnit]) -> list[FlatUnit]:

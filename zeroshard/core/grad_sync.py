@@ -410,7 +410,7 @@ class GradientReducer:
                 for unit, offset in placed:
                     n = unit.layout.shard_size
                     if accumulate:
-                        unit.grad_shard.add_(out.narrow(0, offset, n).to(unit.grad_shard.dtype), alpha=after)
+                        unit.add_reduced_grad(out.narrow(0, offset, n), after)
                     else:
                         unit.grad_shard.copy_(out.narrow(0, offset, n)).mul_(after)
                     unit.grad_reduced = True
