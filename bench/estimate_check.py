@@ -6,10 +6,11 @@ For the large GPT of each results file (any world size): the estimate (``zerosha
 fp32, with the largest layer, which stage 3 gathers), the model state ``engine.memory_breakdown().total``
 measured from the tensors the engine holds (with the peak of the transient gradient buckets), and what is
 resident after the last step: RSS above the pre-model baseline less the pooled idle buffers
-(``cached_buffers``), beside the model state kept between steps (``total`` less the bucket peak, where the
-results record it). Their difference is the framework's own memory (interpreter objects, gloo, code pages
-touched by ``initialize``), which DDP has too: its RSS after its steps less its model state is printed
-below the table. "within" is |breakdown / estimate - 1|.
+(``cached_buffers``), beside the model state kept between steps (``total`` less the bucket peak and the
+gradient shards that the step's ``zero_grad`` dropped, where the results record them). Their difference is
+the framework's own memory (interpreter objects, gloo, code pages touched by ``initialize``), which DDP has
+too: its RSS after its steps less its model state is printed below the table. "within" is
+|breakdown / estimate - 1|.
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ def rows(doc: dict[str, Any]) -> list[str]:
         state = r["model_state_bytes"]
         resident = r["rss_after_steps_above_baseline_bytes"] - (r["cached_buffer_bytes"] or 0)
         buckets = r.get("communication_buffer_bytes")  # absent from results written before it was recorded
+        if buckets is not None:
+            buckets += r.get("dropped_gradient_bytes") or 0  # not held between steps either
         kept = "–" if buckets is None else f"{(state - buckets) / MIB:.0f}"
         own = "–" if buckets is None else f"{(resident - state + buckets) / MIB:+.0f}"
         out.append(

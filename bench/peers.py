@@ -288,11 +288,15 @@ def worker(rank: int, spec: dict[str, Any]) -> dict[str, Any]:
         t0 = time.perf_counter()
         losses.append(step(i))
         times.append(time.perf_counter() - t0)
-    offloaded = cached = buckets = None
+    offloaded = cached = buckets = dropped = None
     if system.runner == "zeroshard":
         breakdown = engine.memory_breakdown()
         state, offloaded, cached = breakdown.total, breakdown.offloaded, breakdown.cached_buffers
         buckets = breakdown.communication_buffers  # the peak of the transient gradient buckets
+        # Gradient shards the step's zero_grad dropped (stages 2-3: [Note: gradient shards on demand]).
+        dropped = sum(
+            u.layout.shard_size * u.policy.accumulate.itemsize for u in engine.units if not u.holds_grad_shard
+        )
         comm = (engine.comm.stats.total_bytes - bytes0) / spec["steps"]
     else:
         if system.runner == "deepspeed":
@@ -314,6 +318,7 @@ def worker(rank: int, spec: dict[str, Any]) -> dict[str, Any]:
         "rss_after_steps_above_baseline_bytes": after,
         "cached_buffer_bytes": cached,
         "communication_buffer_bytes": buckets,
+        "dropped_gradient_bytes": dropped,
         "init_s": init_s,
         "run_s": time.perf_counter() - t_start,
     }

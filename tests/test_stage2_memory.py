@@ -277,14 +277,14 @@ def _adopted_vs_copied(rank: int, world_size: int) -> list[tuple[int, int, list[
             }
             engine, *_ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=config)
             adopted = [0]
-            real = engine.reducer._adopt_as_bucket
+            real = engine.reducer._buckets._adopt
 
             def spy(*args: Any, real: Any = real, adopt: bool = adopt, adopted: list[int] = adopted) -> bool:
                 took = adopt and real(*args)
                 adopted[0] += took
                 return took
 
-            engine.reducer._adopt_as_bucket = spy  # type: ignore[method-assign]
+            engine.reducer._buckets._adopt = spy  # type: ignore[method-assign]
             assert isinstance(engine.reducer, GradientReducer)
             g = torch.Generator().manual_seed(rank)
             for _ in range(4):  # micro-steps: two optimizer steps

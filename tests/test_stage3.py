@@ -134,6 +134,16 @@ def volume_and_memory(rank: int, world_size: int) -> dict[str, Any]:
         gathers = engine.comm.stats.calls_by_op["all_gather"]
         steps.append((free[-1], engine.reducer.peak_bucket_bytes / block, gathers))
     out["gather_free"] = steps
+    # A gather asked for in a gather-free backward anyway (which could pair with a peer's wait) is refused
+    # before anything is launched, on every rank alike; set by hand here: no model of this file asks for one.
+    gatherer.gather_free = True
+    try:
+        with engine.gathered_parameters():
+            pass
+    except RuntimeError as error:
+        out["gather_free_refused"] = "gathered again in a backward that began with every unit" in str(error)
+    gatherer.gather_free = False
+    _step(engine, rank)  # and the engine goes on
     # grad_sync.py [Note: gradient flow]: consecutive units share one reduce-scatter, in buckets of at most
     # reduce_bucket_size elements and never more than the largest unit (here a head of three blocks) or
     # SMALL_BUCKET_ELEMENTS (0 here, so that the largest unit bounds the groups; "small": as shipped, which
@@ -210,6 +220,7 @@ def test_three_psi_bounded_gathered_memory_and_module_api(world_size: int) -> No
     # forward gathers the 8 units once, and at most MAX_INFLIGHT + 1 buckets of a block are held at once.
     assert [free for free, _, _ in result["gather_free"]] == [False, True, True, True], result["gather_free"]
     assert all(gathers == 8 and buckets <= 3.01 for _, buckets, gathers in result["gather_free"][1:]), result
+    assert result["gather_free_refused"] is True
     # One group for the whole model: one reduce-scatter; each unit still released as its gradients arrive.
     assert result["groupedsmall"] == ({"all_gather": 17, "reduce_scatter": 1}, True, [9], [0] * 9)
     # No churn: a step allocates only to replace buffers let go of before the end of a backward (this one's

@@ -55,6 +55,7 @@ from torch.utils.hooks import RemovableHandle
 from zeroshard.core.buffers import BufferPool
 from zeroshard.core.comm import Comm
 from zeroshard.core.flat_param import FlatUnit
+from zeroshard.core.grad_buckets import GradientBuckets
 from zeroshard.core.inflight import MAX_INFLIGHT, InFlight
 from zeroshard.core.layout import GroupLayout
 from zeroshard.core.reduction_groups import Averaging, ReductionGroup, group_units
@@ -74,25 +75,6 @@ def reentrant_reuse_error(rank: int, unit: FlatUnit, what: str) -> RuntimeError:
         "deepspeed.checkpointing.checkpoint), or inside one and outside it, and each region's backward "
         "delivers a gradient of its own. Use use_reentrant=False (non-reentrant checkpointing gives each "
         "parameter one gradient per backward), or checkpoint every use of the shared module in one region"
-    )
-
-
-def _zero(bucket: torch.Tensor, runs: list[tuple[int, int, int]]) -> None:
-    for start, _, numel in runs:
-        bucket[start : start + numel].zero_()
-
-
-def _spans_its_storage(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` is contiguous and is the whole of its storage (not a view into a larger tensor).
-
-    A gradient handed to a post-accumulate hook that passes this is the parameter's own: autograd's
-    AccumulateGrad copies an incoming gradient that anything else still references, so the reducer may read
-    it as its bucket (it only reads it: see ``_adopt_as_bucket``).
-    """
-    return (
-        tensor.is_contiguous()
-        and tensor.storage_offset() == 0
-        and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
     )
 
 
@@ -135,22 +117,12 @@ class GradientReducer:
             for g, us in enumerate(group_units(order, max(1, bucket_elements)))
         ]
         self._group_of = {u.index: g.index for g in self.groups for u in g.units}
-        # Where each parameter's gradient, and each unit's padding, lies in its group's bucket: computed once.
-        self._runs: dict[int, list[list[tuple[int, int, int]]]] = {}
-        self._padding: dict[int, list[tuple[int, int, int]]] = {}
-        for group in (g for g in self.groups if not g.keeps_full):
-            for k, unit in enumerate(group.units):
-                runs = group.layout.runs
-                self._runs[unit.index] = [runs(k, *unit.param_range(i)) for i in range(len(unit.params))]
-                self._padding[unit.index] = runs(k, unit.layout.total, unit.layout.padded)
+        self._buckets = GradientBuckets(self.groups, pool, self.comm_dtype, prescaled=averaging.before != 1.0)
         self._arrived = [0] * len(self.units)  # per unit, how many parameters got a gradient in this backward
         self._arrived_params: list[set[int]] = [set() for _ in self.units]  # which ones
         self._complete_units = [0] * len(self.groups)
         self._handed = [False] * len(self.units)  # on_reduced called in this backward
         self._next = 0
-        self._buckets: dict[int, torch.Tensor] = {}  # per group
-        self._adopted: set[int] = set()  # groups whose bucket is autograd's gradient, not the pool's
-        self._filled: dict[int, list[int]] = {}  # per unit, the parameters written into its group's bucket
         self._inflight = InFlight()  # reductions launched and not yet waited for
         self._reducing = False
         # Between begin_backward and finish_backward (this engine's backward). Gradients that arrive at
@@ -238,7 +210,7 @@ class GradientReducer:
 
     def _accumulate(self, unit: FlatUnit, i: int, grad: torch.Tensor, adoptable: bool = False) -> None:
         """Add parameter ``i``'s gradient into ``unit``'s accumulator or its group's bucket; with
-        ``adoptable`` (no one else can hold ``grad``) it may become the bucket itself (_adopt_as_bucket).
+        ``adoptable`` (no one else can hold ``grad``) it may become the bucket itself (``grad_buckets.py``).
 
         A parameter's gradient may arrive more than once in one backward ([Note: repeated gradients]): the
         arrivals are summed, and one after the unit went to its reduction is an error."""
@@ -251,24 +223,8 @@ class GradientReducer:
         if unit.keeps_full_grad:
             lo, hi = unit.param_range(i)
             unit.kept_grad()[lo:hi].add_(grad.reshape(-1))
-        else:
-            group = self.groups[g]
-            bucket = self._buckets.get(g)
-            if bucket is None and adoptable and self._adopt_as_bucket(group, unit, i, grad):
-                self._filled[unit.index] = [i]
-            else:
-                if bucket is None:
-                    bucket = self._new_bucket(group)
-                    self._buckets[g] = bucket
-                    self._track_bucket_bytes()
-                flat = grad.reshape(-1)
-                for start, offset, numel in self._runs[unit.index][i]:
-                    if repeat:
-                        bucket[start : start + numel].add_(flat[offset : offset + numel])
-                    else:
-                        bucket[start : start + numel].copy_(flat[offset : offset + numel])
-                if not repeat:
-                    self._filled[unit.index].append(i)
+        elif self._buckets.write(self.groups[g], unit, i, grad, adoptable=adoptable, repeat=repeat):
+            self._track_bucket_bytes()
         unit.has_grad[i] = True
         self.needs_reduction = True
         if repeat:
@@ -283,40 +239,6 @@ class GradientReducer:
     def comm_dtype(self, unit: FlatUnit) -> torch.dtype:
         return unit.policy.reduce
 
-    def _adopt_as_bucket(self, group: ReductionGroup, unit: FlatUnit, i: int, grad: torch.Tensor) -> bool:
-        """Take autograd's gradient itself as the bucket of a group that is exactly this one parameter (a
-        unit of one unpadded parameter, e.g. a large embedding): no bucket beside the gradient, no copy."""
-        n = grad.numel()
-        if len(group.units) != 1 or len(unit.params) != 1 or group.layout.padded != n:
-            return False
-        if self._runs[unit.index][i] != [(0, 0, n)] or grad.dtype != self.comm_dtype(unit):
-            return False
-        if grad.device != unit.device or not _spans_its_storage(grad):
-            return False  # a view of a larger tensor: copy it into a bucket instead
-        if self.averaging.before != 1.0:
-            return False  # prescaling writes into the bucket: never into a tensor autograd handed us
-        self._buckets[group.index] = grad.view(-1)
-        self._adopted.add(group.index)
-        self._track_bucket_bytes()
-        return True
-
-    def _new_bucket(self, group: ReductionGroup) -> torch.Tensor:
-        """A bucket for ``group`` (from the pool: contents arbitrary) whose padding is zero; the parameters'
-        ranges are written as their gradients arrive, and :meth:`_complete` zeroes the ones that did not."""
-        first = group.units[0]
-        bucket = self.pool.take(group.layout.padded, self.comm_dtype(first), first.full.device)
-        for unit in group.units:
-            _zero(bucket, self._padding[unit.index])
-            self._filled[unit.index] = []
-        return bucket
-
-    def _complete(self, group: ReductionGroup, bucket: torch.Tensor) -> None:
-        """Zero the ranges of ``bucket`` that no gradient was written into in this backward."""
-        for unit in group.units:
-            filled = set(self._filled.pop(unit.index, []))
-            for i in sorted(set(range(len(unit.params))) - filled):
-                _zero(bucket, self._runs[unit.index][i])
-
     def _hand_over(self, unit: FlatUnit) -> None:
         if not self._handed[unit.index]:
             self._handed[unit.index] = True
@@ -324,7 +246,7 @@ class GradientReducer:
                 self.on_reduced(unit)
 
     def _track_bucket_bytes(self) -> None:
-        filling = sum(b.numel() * b.element_size() for b in self._buckets.values())
+        filling = self._buckets.filling_bytes
         self.peak_bucket_bytes = max(self.peak_bucket_bytes, filling + self._inflight.bytes)
 
     def _launch_ready(self) -> None:
@@ -369,12 +291,9 @@ class GradientReducer:
             # Kept full gradients (stages 0, 1): reduce them at the boundary, in the reduce dtype.
             kept = first.kept_grad()
             full = kept if kept.dtype == reduce_dtype else kept.to(reduce_dtype)
+            adopted = False
         else:
-            bucket = self._buckets.pop(group.index, None)
-            if bucket is None:  # no parameter of these units got a gradient on this rank
-                bucket = self._new_bucket(group)
-            self._complete(group, bucket)
-            full = bucket
+            full, adopted = self._buckets.take(group)
         if before != 1.0:
             full.mul_(before)
         if not self.plan.shard_optimizer:
@@ -397,8 +316,6 @@ class GradientReducer:
             out = self.pool.take(group.layout.chunk, reduce_dtype, full.device)
             pending = self.comm.reduce_scatter(out, full, what=what)
             accumulate = not group.keeps_full  # sharded gradients sum over micro-steps
-            adopted = group.index in self._adopted
-            self._adopted.discard(group.index)
             pooled = None if group.keeps_full or adopted else full
             placed = list(zip(group.units, group.layout.offsets, strict=True))
 
@@ -448,7 +365,5 @@ class GradientReducer:
         for unit in self.units:
             unit.zero_grad()
         self._buckets.clear()
-        self._adopted.clear()
-        self._filled.clear()
         self.needs_reduction = False
         self._window_reduced = False

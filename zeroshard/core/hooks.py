@@ -174,8 +174,8 @@ class ParameterGatherer:
         if not self._access:
             self._running.clear()  # a forward that raised left its modules on the stack
             # A new forward of the model: any backward that set the flag without this engine's end_backward
-            # (another engine's loss backpropagated through this model) is over.
-            self._in_backward = False
+            # (another engine's loss backpropagated through this model, or a backward that raised) is over.
+            self._in_backward = self.gather_free = False
         self.saved_views.enter()
         if self._discovering:  # [Note: external parameters]
             access = contextlib.ExitStack()
