@@ -220,8 +220,10 @@ class ParameterGatherer:
             units = self._units_of[key]
             if self._in_backward:  # a recomputation: never spent in this backward
                 self._spent.recomputed.update(u.index for u in units)
-                for unit in (u for u in units if u.index in self._done):
-                    raise reentrant_reuse_error(self.comm.rank, unit, f"{type(module).__name__} ran again")
+                reduced = [u for u in units if u.index in self._done]
+                if reduced:  # [Note: repeated gradients]
+                    what = f"{type(module).__name__} ran again"
+                    raise reentrant_reuse_error(self.comm.rank, reduced[0], what)
             self.gather(units)
             if self._in_backward:
                 return  # a recomputation: nothing to count, its post-hook may never run ([Note: recompute])
