@@ -118,8 +118,8 @@ class GradientReducer:
         ]
         self._group_of = {u.index: g.index for g in self.groups for u in g.units}
         self._buckets = GradientBuckets(self.groups, pool, self.comm_dtype, prescaled=averaging.before != 1.0)
-        self._arrived = [0] * len(self.units)  # per unit, how many parameters got a gradient in this backward
-        self._arrived_params: list[set[int]] = [set() for _ in self.units]  # which ones
+        # Per unit, its parameters that got a gradient in this backward.
+        self._arrived: list[set[int]] = [set() for _ in self.units]
         self._complete_units = [0] * len(self.groups)
         self._handed = [False] * len(self.units)  # on_reduced called in this backward
         self._next = 0
@@ -178,8 +178,7 @@ class GradientReducer:
     def begin_backward(self, reduce: bool) -> None:
         """Start a backward; ``reduce`` says whether this backward's gradients are reduced (boundary)."""
         self._reducing = reduce or self.plan.reduce_every_micro_step
-        self._arrived = [0] * len(self.units)
-        self._arrived_params = [set() for _ in self.units]
+        self._arrived = [set() for _ in self.units]
         self._in_backward = True
         self._complete_units = [0] * len(self.groups)
         self._handed = [False] * len(self.units)
@@ -218,7 +217,7 @@ class GradientReducer:
             what = f"parameter {unit.names[i]!r} got a second gradient"
             raise reentrant_reuse_error(self.comm.rank, unit, what)
         g = self._group_of[unit.index]
-        arrived = self._arrived_params[unit.index]
+        arrived = self._arrived[unit.index]
         repeat = i in arrived
         if unit.keeps_full_grad:
             lo, hi = unit.param_range(i)
@@ -230,8 +229,7 @@ class GradientReducer:
         if repeat:
             return
         arrived.add(i)
-        self._arrived[unit.index] += 1
-        if self._reducing and self._arrived[unit.index] == len(unit.params):
+        if self._reducing and len(arrived) == len(unit.params):
             self._hand_over(unit)
             self._complete_units[g] += 1
             self._launch_ready()
