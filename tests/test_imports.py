@@ -2,7 +2,7 @@
 ``TYPE_CHECKING`` or inside a function, points one way (core below engine, engine below the entry points).
 
 A cycle here is a design smell before it is a runtime error: a module that needs its importer should take
-what it needs as an argument or a protocol (see ``checkpoint/state.py``, ``core/shard_stores.ShardStore``).
+what it needs as an argument or a protocol (see ``checkpoint/state.py``, ``core/flat_param.ShardStore``).
 """
 
 from __future__ import annotations

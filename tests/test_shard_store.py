@@ -8,9 +8,8 @@ import torch
 from torch import nn
 
 from zeroshard.core.comm import Comm
-from zeroshard.core.flat_param import FlatUnit
+from zeroshard.core.flat_param import FlatUnit, InMemoryShards
 from zeroshard.core.precision import DtypePolicy
-from zeroshard.core.shard_stores import InMemoryShards
 from zeroshard.core.stages import plan_for
 from zeroshard.offload.unit_store import OffloadedMaster
 

@@ -8,7 +8,7 @@ for gathers to read. With ``offload_param.device: nvme`` that copy lives in a fi
 (``param_swap.py``, [Note: parameter shards on NVMe]). The parameters are the truth a stale master is
 re-derived from: values changed by hand only mark the master ``stale``, and the swapper refreshes it from
 the parameter shard when it next reads it. The unit sees none of this: it holds an
-:class:`OffloadedMaster` as its :class:`~zeroshard.core.shard_stores.ShardStore` ([Note: shard stores]).
+:class:`OffloadedMaster` as its :class:`~zeroshard.core.flat_param.ShardStore` ([Note: shard stores]).
 """
 
 from __future__ import annotations
@@ -17,8 +17,7 @@ from typing import Protocol
 
 import torch
 
-from zeroshard.core.flat_param import FlatUnit
-from zeroshard.core.shard_stores import copy_master_into_full
+from zeroshard.core.flat_param import FlatUnit, copy_master_into_full
 
 
 class ShardHome(Protocol):
