@@ -31,7 +31,7 @@ from zeroshard.core.hooks import ParameterGatherer
 from zeroshard.core.liveness import MONITOR, collective_api
 from zeroshard.core.loss_scaler import LossScaleFloorError, LossScaler
 from zeroshard.core.memory import MemoryBreakdown, measure
-from zeroshard.core.optimizer import ShardedStep, clip_coefficient
+from zeroshard.core.optimizer import ShardedStep
 from zeroshard.core.precision import cast_floating
 from zeroshard.core.stages import StagePlan
 from zeroshard.data import ResumableDataLoader
@@ -269,7 +269,7 @@ class ZeroshardEngine(DeepSpeedSurface, CheckpointMethods):
                 self._skip_step()
                 return
             # Unscale and clip in one pass over the gradients.
-            factor = (1.0 / scale) * clip_coefficient(self._grad_norm, self.config.gradient_clipping)
+            factor = (1.0 / scale) * step.clip_coefficient(self._grad_norm, self.config.gradient_clipping)
             if factor != 1.0:
                 step.scale_grads(factor)
             step.run(self.optimizer)

@@ -8,6 +8,20 @@ on the whole parameter, each slice keeps its own state and step count, and a sli
 gradient anywhere gets ``grad = None`` and is skipped exactly as torch skips it: no weight decay drift on
 unused parameters. Because the groups hold the slices, a scheduler or a user editing
 ``optimizer.param_groups`` edits what the shards are stepped with.
+
+[Note: DeepSpeed's fp32 clipping]
+Without ZeRO (stage 0) and in fp32, DeepSpeed's engine clips with its ``runtime.utils.clip_grad_norm_``:
+one fp32 norm per parameter (zero for one without a gradient: its reduction filled it with zeros), in
+registration order; their squares summed in fp32 and the square root taken in fp32; that norm divided by
+the world size and all-reduced, which gives it back (every rank holds the same reduced gradients); then
+every gradient multiplied by ``min(1, clip / (norm + 1e-6))``, computed in fp32. Every step here where
+every rank holds every reduced gradient in fp32 (stage 0 in fp32) computes its norm and clip factor the
+same way, so they are DeepSpeed's to the bit. The float64 sum used elsewhere is more accurate, but
+differs from DeepSpeed's by an ulp now and then, and Adam can amplify an ulp of one step's clip factor: in
+a DCGAN with client ``torch.optim.Adam`` optimizers (tests/ds_scripts/train_gan_adam.py) the losses moved
+off DeepSpeed's by 2e-7 within 3 steps and by 2e-5 (W=2) and 1e-2 (W=1) at step 20. Where the step
+shards the optimizer, DeepSpeed's ZeRO optimizer computes its norm in yet other ways; that path keeps the
+float64 sum.
 """
 
 from __future__ import annotations
@@ -157,6 +171,11 @@ class ShardedStep:
         self.slices = list(slices)
         self.comm = comm
         self.plan = plan
+        # Every rank holds every reduced fp32 gradient: norm and clip factor as DeepSpeed's stage 0 computes
+        # them ([Note: DeepSpeed's fp32 clipping]).
+        self.fp32_clipping = not plan.shard_optimizer and all(
+            u.policy.compute == torch.float32 for u in self.units
+        )
         self._grads: dict[int, torch.Tensor] = {}
         self._slice_grads: dict[int, torch.Tensor | None] = {}
         self._factor = 1.0  # pending gradient scale: unscale and clip, applied by run()
@@ -238,7 +257,10 @@ class ShardedStep:
         (``GradientReducer.local_has_grad``). Collective: call on all ranks.
         """
         device = self.comm.device
-        sq_norm = self._local_sq_norm().to(device)
+        if self.fp32_clipping:
+            sq_norm = self._fp32_norm().double().pow(2).to(device)
+        else:
+            sq_norm = self._local_sq_norm().to(device)
         nonfinite = torch.zeros((), dtype=torch.float64, device=device)
         if check_overflow:
             # One flag per unit, combined where the gradients are: one host sync in all, not one per unit.
@@ -252,6 +274,7 @@ class ShardedStep:
         packed = torch.cat([torch.stack([nonfinite, shared]), flags64])
         summed = self.comm.sum_scalar(packed, what="step checks all_reduce").cpu()  # the one host sync
         total = float(summed[1]) if self.plan.shard_optimizer else float(sq_norm)
+        # The fp32 norm squared in float64 is exact, so its square root gives the fp32 norm back.
         return StepChecks(
             nonfinite=bool(summed[0] > 0),
             grad_norm=math.sqrt(total),  # nan or inf where the gradients are not finite
@@ -278,6 +301,25 @@ class ShardedStep:
         if not norms:
             return torch.zeros((), dtype=torch.float64)
         return torch.stack(norms).double().pow(2).sum()
+
+    def _fp32_norm(self) -> torch.Tensor:
+        """The global L2 norm as DeepSpeed's stage 0 computes it in fp32 ([Note: DeepSpeed's fp32 clipping]):
+        every rank holds every reduced gradient, so it is computed here alone."""
+        norms = [torch.linalg.vector_norm(g, dtype=torch.float32) for g in self._piece_grads() if g.numel()]
+        if not norms:
+            return torch.zeros((), dtype=torch.float32)
+        norm = torch.stack(norms).pow(2).sum().pow(0.5)
+        world = self.comm.world_size
+        return norm / world * world  # DeepSpeed's average of the ranks' (equal) norms, rounding included
+
+    def clip_coefficient(self, grad_norm: float, clip: float) -> float:
+        """The factor clipping to ``clip`` (``gradient_clipping``, > 0 to clip) multiplies the gradients by,
+        ``grad_norm`` being the norm :meth:`checks` returned; in fp32 where that norm is DeepSpeed's fp32 one
+        ([Note: DeepSpeed's fp32 clipping])."""
+        if not self.fp32_clipping or clip <= 0:
+            return clip_coefficient(grad_norm, clip)
+        norm = torch.tensor(grad_norm, dtype=torch.float32)
+        return min(1.0, float(torch.tensor(clip, dtype=torch.float32) / (norm + 1e-6)))
 
     def scale_grads(self, factor: float) -> None:
         """Multiply the gradients the optimizer will see by ``factor`` (applied by :meth:`run`)."""
