@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+
+from zeroshard.state_offload import OffloadDeviceEnum, OffloadStateTypeEnum, StateOffload, require_offloadable
 
 if TYPE_CHECKING:
     from zeroshard.config import ZeroshardConfig
@@ -220,3 +222,46 @@ class DeepSpeedSurface(nn.Module):
             if source in gathered:
                 out[key] = gathered[source]
         return out
+
+    # -- model state off the accelerator and back (state_offload.py) ---------------------------------
+    _state_offload: StateOffload | None = None
+
+    def offload_states(
+        self,
+        include: Iterable[OffloadStateTypeEnum | str] | None = None,
+        device: OffloadDeviceEnum | str = OffloadDeviceEnum.cpu,
+        pin_memory: bool = True,
+        non_blocking: bool = False,
+    ) -> None:
+        """Move this rank's model state off the accelerator until :meth:`reload_states` (DeepSpeed's
+        ``engine.offload_states``): the optimizer state, masters, parameters and gradients, or the kinds
+        ``include`` names (``OffloadStateTypeEnum``), to ``device`` (``cpu``; ``none`` does nothing).
+
+        Call it between steps and ``reload_states()`` before the next forward; training then goes on
+        bit-identical to never offloading ([Note: moving states] in ``state_offload.py``). ZeRO stages
+        1-3, as in DeepSpeed 0.19 (stage 0 raises ``AttributeError`` there too); any torch optimizer
+        (DeepSpeed 0.19 requires its FusedAdam at stage 3). Local: no communication.
+        """
+        optimizer = require_offloadable(
+            "offload_states",
+            self.plan.stage,
+            self.optimizer,
+            self.config.zero_optimization.offload_param.device,
+        )
+        if self._state_offload is None:
+            self._state_offload = StateOffload()
+        self._state_offload.offload(
+            self.units,
+            optimizer,
+            include=include,
+            device=device,
+            pin_memory=pin_memory,
+            non_blocking=non_blocking,
+        )
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        """Move what :meth:`offload_states` moved back to the accelerator (nothing offloaded: nothing to
+        do). Returns once the copies are done. Local: no communication."""
+        require_offloadable("reload_states", self.plan.stage, self.optimizer)
+        if self._state_offload is not None:
+            self._state_offload.reload(non_blocking=non_blocking)
