@@ -19,6 +19,7 @@ from torch import nn
 
 from zeroshard.core import saved_views
 from zeroshard.core.comm import Comm
+from zeroshard.core.ds_attrs import present, set_available, withdraw
 from zeroshard.core.flat_param import FlatUnit
 from zeroshard.core.heartbeat import start as start_liveness
 from zeroshard.core.hooks import ParameterGatherer
@@ -66,7 +67,9 @@ class GatheredParameters:
     Works on the parameters of a trained engine and on those ``Init`` still keeps partitioned (before
     ``initialize``).
 
-    Inside the block the parameters are full on every rank (at stages 0-2 they always are). On exit, when
+    Inside the block the parameters are full on every rank (at stages 0-2 they always are), and those that
+    show DeepSpeed's attributes say ``ds_status`` ``AVAILABLE``; after it, ``NOT_AVAILABLE`` again where
+    they are sharded ([Note: DeepSpeed parameter attributes] in core/ds_attrs.py). On exit, when
     ``modifier_rank`` is given, that rank's values are broadcast to every rank and written into the master
     shards the optimizer steps, then stage-3 parameters are released again. Nested use is fine.
 
@@ -83,7 +86,13 @@ class GatheredParameters:
         plist: list[nn.Parameter] = [params] if isinstance(params, nn.Parameter) else list(params)
         self.modifier_rank = modifier_rank
         self.enabled = enabled
-        self._owned = [owner for owner in map(owner_of, plist) if owner is not None]
+        owners = [(p, owner_of(p)) for p in plist]
+        self._owned = [owner for _, owner in owners if owner is not None]
+        # An engine's stage-3 parameters: ds_status AVAILABLE inside the block only, where saving one for
+        # backward keeps the parameter ([Note: DeepSpeed parameter attributes] in core/ds_attrs.py).
+        self._held = [
+            p for p, o in owners if o is not None and o[1] is not None and o[0].plan.shard_parameters
+        ]
         # Parameters still partitioned by Init (before initialize: how from_pretrained fills a model).
         self._partitioned = [p for p in plist if _partition_entry(p) is not None]
         self._stack = contextlib.ExitStack()
@@ -107,6 +116,7 @@ class GatheredParameters:
         for param in self._partitioned:
             shape, shard, comm = _partition_entry(param) or _missing(param)
             param.data = _full_value(shape, shard, comm, shard.device)
+        set_available(self._partitioned, True)
         by_gatherer: dict[int, tuple[ParameterGatherer, list[FlatUnit]]] = {}
         for unit, gatherer, _ in self._owned:
             if gatherer is not None and unit.plan.shard_parameters:
@@ -116,6 +126,7 @@ class GatheredParameters:
         if by_gatherer:
             # Saves inside the block keep the parameter objects (see [Note: saved views]).
             self._stack.enter_context(saved_views.suspended())
+        set_available(self._held, True)
         return self
 
     def __exit__(
@@ -132,6 +143,8 @@ class GatheredParameters:
                     ).wait()
                     unit.copy_full_to_master()
         finally:
+            if self.enabled:
+                set_available(self._held, False)  # before the release: never AVAILABLE while empty
             self._stack.close()
 
     def _repartition(self, keep: bool) -> None:
@@ -147,6 +160,7 @@ class GatheredParameters:
                 _cut(param, shard, comm)
             else:
                 param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+        set_available(self._partitioned, False)
 
 
 def _missing(param: nn.Parameter) -> tuple[torch.Size, torch.Tensor, Comm]:
@@ -169,7 +183,9 @@ class Init:
     Every rank builds each submodule in full (with the same seed every rank gets the same values, equal to
     building the whole model in one process) and keeps 1/W of it; the full values exist for one submodule
     at a time. ``initialize`` then gathers one unit at a time to lay out the shards it trains. Parameters
-    owned directly by the outermost model are not partitioned until ``initialize``.
+    owned directly by the outermost model are not partitioned until ``initialize``, nor are those already
+    frozen when their submodule is attached (zeroshard keeps frozen parameters whole); neither kind shows
+    DeepSpeed's attributes before ``initialize``.
 
     To change parameters once their submodule is attached (loading a checkpoint, a custom init), do it inside
     ``GatheredParameters(params, modifier_rank=0)``, before or after ``initialize``: the parameters are full
@@ -177,7 +193,15 @@ class Init:
     ZeRO-3). Outside such a block they are empty placeholders, and writes to them are lost, as in DeepSpeed.
 
     ``partitioned`` maps each parameter this context cut to its full shape and shard until ``initialize``
-    takes it ([Note: parameter owners] in core/owners.py).
+    takes it ([Note: parameter owners] in core/owners.py). Each cut parameter also shows DeepSpeed's
+    placeholder attributes at once: ``ds_shape``, ``ds_numel``, ``ds_id``, ``ds_status`` (``NOT_AVAILABLE``,
+    ``AVAILABLE`` inside ``GatheredParameters``), ``ds_tensor`` (this rank's shard: ``ceil(numel / W)``
+    elements of the parameter's dtype, rank ``r`` holding elements ``[r * size, (r + 1) * size)``, zero
+    padded) and ``partition_numel()``. They mirror the map's entry and own nothing ([Note: DeepSpeed
+    parameter attributes] in core/ds_attrs.py).
+
+    With ``module`` (DeepSpeed's ``zero.Init(module=model)``) the parameters of an already built model are
+    partitioned at once, its own included; the context need not be entered then.
 
     Collective in effect: every rank must build the same model. ``config`` and the other DeepSpeed keyword
     arguments are accepted for compatibility; ``enabled=False`` builds the model normally.
@@ -202,6 +226,8 @@ class Init:
         param_swapper: Any = None,
         tensor_overrides: Any = None,
     ) -> None:
+        if module is not None and not isinstance(module, nn.Module):
+            raise TypeError(f"zero.Init(module=...) takes an nn.Module, got {type(module).__name__}")
         # DeepSpeed's remaining arguments change nothing here (zeroshard swaps no tensor constructor and
         # partitions over the data-parallel group only); the ones that would ask for a missing feature say so.
         unsupported = {
@@ -227,6 +253,10 @@ class Init:
         # Building a model that will train with NVMe offload: keep the allocator from hoarding the full
         # submodules built here (see offload/malloc.py).
         self._offloading = remote_device == "nvme" or _offloads_to_nvme(config_dict_or_path or config)
+        if module is not None and enabled:
+            for param in module.parameters():
+                if _partition_entry(param) is None and param.requires_grad:
+                    self._partition(param)
 
     def __enter__(self) -> Init:
         if self.enabled:
@@ -263,9 +293,11 @@ class Init:
             param.data = param.data.to(self.dtype)
         layout = FlatLayout.for_shapes([param.numel()], self.comm.world_size)
         shard = torch.zeros(layout.shard_size, dtype=param.dtype, device=param.device)
-        self.partitioned[param] = (param.shape, shard, self.comm)
+        shape = param.shape
+        self.partitioned[param] = (shape, shard, self.comm)
         _INITS.add(self.partitioned)
         _cut(param, shard, self.comm)
+        present(param, shape, shard, available=False)  # ds_tensor is the shard itself
 
 
 def _gathering_apply(plain: Any) -> Any:
@@ -364,3 +396,4 @@ def materialize(params: Iterable[nn.Parameter], comm: Comm) -> None:
             )
         # initialize() may have moved the placeholder to the training device: gather there.
         param.data = _full_value(shape, shard, comm, param.device)
+        withdraw(param)  # the engine holds it now: [Note: DeepSpeed parameter attributes]

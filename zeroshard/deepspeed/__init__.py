@@ -11,7 +11,6 @@ this follows, so version checks such as ``deepspeed>=0.9.3`` pass, with zeroshar
 from __future__ import annotations
 
 import argparse
-import functools
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -24,7 +23,7 @@ from zeroshard.deepspeed import accelerator, checkpoint, comm, ops, runtime, uti
 from zeroshard.deepspeed.distributed import TORCH_DISTRIBUTED_DEFAULT_PORT, init_distributed
 from zeroshard.deepspeed.outofscope import unsupported, unsupported_class
 from zeroshard.deepspeed.runtime.config import DeepSpeedConfig
-from zeroshard.deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+from zeroshard.deepspeed.runtime.zero.partition_parameters import _mark_stage3_params
 from zeroshard.engine import ZeroshardEngine as DeepSpeedEngine
 from zeroshard.version import __version__ as _zeroshard_version
 
@@ -102,44 +101,6 @@ def initialize(
     )
     _mark_stage3_params(engine)
     return engine, opt, loader, sched
-
-
-def _mark_stage3_params(engine: DeepSpeedEngine) -> None:
-    """Give stage-3 parameters the attributes integrations read (DeepSpeed's names, by request of the API).
-
-    ``ds_numel`` / ``ds_shape``: the full parameter's; ``partition_numel()``: how many of its elements this
-    rank's shard holds (what Lightning's ZeRO-3 model summary shows per device). ``ds_status`` always says
-    ``NOT_AVAILABLE`` for sharded parameters: code that reads it gathers first (``GatheredParameters``), which
-    is always correct. Frozen parameters are not sharded: every rank holds them whole and they say so.
-    """
-    if not engine.plan.shard_parameters:
-        return
-    ds_id = 0
-    sharded: set[int] = set()
-    for unit in engine.units:
-        held = [0] * len(unit.params)
-        for piece in unit.layout.pieces(unit.rank):
-            held[piece.index] += piece.numel
-        for param, shape, numel in zip(unit.params, unit.shapes, held, strict=True):
-            _mark(param, shape, numel, ds_id, ZeroParamStatus.NOT_AVAILABLE)
-            sharded.add(id(param))
-            ds_id += 1
-    for param in engine.module.parameters():
-        if id(param) not in sharded:
-            _mark(param, param.shape, param.numel(), ds_id, ZeroParamStatus.AVAILABLE)
-            ds_id += 1
-
-
-def _mark(param: nn.Parameter, shape: torch.Size, held: int, ds_id: int, status: ZeroParamStatus) -> None:
-    param.ds_numel = shape.numel()  # type: ignore[attr-defined]
-    param.ds_shape = shape  # type: ignore[attr-defined]
-    param.ds_id = ds_id  # type: ignore[attr-defined]
-    param.ds_status = status  # type: ignore[attr-defined]
-    param.partition_numel = functools.partial(_count, held)  # type: ignore[attr-defined]
-
-
-def _count(n: int) -> int:
-    return n
 
 
 def __getattr__(name: str) -> Any:
