@@ -39,6 +39,7 @@ help:
 	@echo "make test-unit     the same without tests marked integration (external libraries, launchers, scripts)"
 	@echo "make test-cuda     tests/test_cuda.py on a machine with a CUDA GPU (the CUDA paths)"
 	@echo "make lint          ruff check + ruff format --check + mypy zeroshard"
+	@echo "make deepspeed-inventory / deepspeed-surface   reread DeepSpeed's public names; rewrite docs/deepspeed-surface.md"
 	@echo "make format        ruff format + ruff check --fix"
 	@echo "make install       create $(VENV) and install torch==$(TORCH_VERSION) and zeroshard[dev] into it"
 	@echo "make bench         zeroshard vs DDP, ZeRO-1, FSDP2, DeepSpeed (bench/peers.py); bench-quick: smoke"
@@ -94,6 +95,16 @@ test-unit: $(STAMP)
 .PHONY: test-cuda
 test-cuda: $(STAMP)
 	$(PY) -m pytest -s tests/test_cuda.py
+
+# DeepSpeed's public surface ([Note: generated surface] in zeroshard/deepspeed/surface.py). For a new DeepSpeed
+# release: pin it in pyproject.toml's dev extra, `make install`, then `make deepspeed-inventory
+# deepspeed-surface` and commit zeroshard/deepspeed/inventory.json and docs/deepspeed-surface.md.
+.PHONY: deepspeed-inventory deepspeed-surface
+deepspeed-inventory: $(STAMP)
+	env -u ZEROSHARD_AS_DEEPSPEED DS_ACCELERATOR=cpu CUDA_VISIBLE_DEVICES= $(PY) tools/deepspeed_inventory.py
+
+deepspeed-surface: $(STAMP)
+	CUDA_VISIBLE_DEVICES= $(PY) tools/deepspeed_surface_report.py
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

@@ -70,6 +70,9 @@ if not getattr(deepspeed, "REAL", False):
     assert deepspeed.comm is zeroshard.deepspeed.comm
     assert deepspeed.comm.__spec__.name == "zeroshard.deepspeed.comm"
     from deepspeed.ops.adam import DeepSpeedCPUAdam
+    # A module with no file in the tree, made from the inventory the package carries.
+    import deepspeed.runtime.zero.stage3 as stage3
+    assert stage3.Init is deepspeed.zero.Init and stage3.__spec__.name == "zeroshard.deepspeed.runtime.zero.stage3"
     print(importlib.metadata.version("deepspeed") == deepspeed.__version__, deepspeed.__version__)
 else:
     print()

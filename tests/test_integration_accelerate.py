@@ -338,6 +338,8 @@ def test_launcher_sequence_parallel_and_init_wrapper_names() -> None:
     with pytest.raises(NotImplementedError, match="sequence parallelism"):
         UlyssesSPAttentionHF.register_with_transformers(model_name_or_path=None, sequence_parallel_size=2)
     with pytest.raises(NotImplementedError, match="sequence parallelism"):
+        UlyssesSPDataLoaderAdapter(None, sp_rank=0, sp_group=None, sp_world_size=1, device="cpu")
+    with pytest.raises(TypeError):  # DeepSpeed's signature first: a call DeepSpeed rejects fails the same way
         UlyssesSPDataLoaderAdapter(None)
     # transformers' prevent_arange_dtype_change swaps this wrapper around zero.Init.
     assert pp._orig_torch_arange is torch.arange

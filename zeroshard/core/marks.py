@@ -23,10 +23,12 @@ class ZeroMarks:
 
     Attributes:
         leaf_classes: on a model, the module classes gathered as a whole at stage 3.
+        leaf: this module itself is gathered as a whole at stage 3 (DeepSpeed's per-module ``_z3_leaf``).
         external: parameters owned elsewhere that this module's forward uses.
     """
 
     leaf_classes: tuple[type, ...] = ()
+    leaf: bool = False
     external: list[nn.Parameter] = dataclasses.field(default_factory=list)
 
 
@@ -51,6 +53,17 @@ def set_z3_leaf_modules(model: nn.Module, classes: Sequence[type[nn.Module]]) ->
     inside it never needs a collective. Call before ``zeroshard.initialize``.
     """
     _marks(model).leaf_classes = tuple(classes)
+
+
+def set_leaf(module: nn.Module, flag: bool) -> None:
+    """Mark (or unmark) this one module as a stage-3 leaf: its subtree is one unit."""
+    _marks(module).leaf = flag
+
+
+def is_leaf(module: nn.Module) -> bool:
+    """Whether this module was marked a leaf with :func:`set_leaf`."""
+    marks = _existing(module)
+    return marks is not None and marks.leaf
 
 
 def leaf_classes(model: nn.Module) -> tuple[type, ...]:

@@ -29,7 +29,7 @@ from zeroshard.config import ZeroshardConfig
 from zeroshard.core.buffers import BufferPool
 from zeroshard.core.comm import Comm
 from zeroshard.core.flat_param import FlatUnit, unique_units
-from zeroshard.core.marks import external_parameters, leaf_classes
+from zeroshard.core.marks import external_parameters, is_leaf, leaf_classes
 from zeroshard.core.precision import DtypePolicy
 from zeroshard.core.stages import STAGES, StagePlan
 from zeroshard.zero import full_numel, materialize
@@ -210,6 +210,7 @@ def _is_leaf(name: str, module: nn.Module, model: nn.Module, cfg: ZeroshardConfi
     qualified = f"{cls.__module__}.{cls.__qualname__}"
     return (
         isinstance(module, leaf_classes(model))
+        or is_leaf(module)
         or qualified in spec.classes
         or cls.__name__ in spec.classes
         or (bool(name) and name in spec.names)

@@ -19,26 +19,26 @@ from torch import nn
 
 from zeroshard.build import initialize as _initialize
 from zeroshard.config import add_config_arguments
-from zeroshard.deepspeed import accelerator, checkpoint, comm, ops, runtime, utils, zero
+from zeroshard.deepspeed import accelerator, checkpoint, comm, ops, runtime, surface, utils, zero
+from zeroshard.deepspeed.accelerator import get_accelerator
 from zeroshard.deepspeed.distributed import TORCH_DISTRIBUTED_DEFAULT_PORT, init_distributed
-from zeroshard.deepspeed.outofscope import unsupported, unsupported_class
 from zeroshard.deepspeed.runtime.config import DeepSpeedConfig
 from zeroshard.deepspeed.runtime.zero.partition_parameters import _mark_stage3_params
 from zeroshard.engine import ZeroshardEngine as DeepSpeedEngine
 from zeroshard.version import __version__ as _zeroshard_version
 
+surface.install()  # the DeepSpeed modules with no file here: [Note: generated surface] in surface.py
+
 __all__ = [
     "DeepSpeedConfig",
     "DeepSpeedEngine",
-    "InferenceEngine",
-    "PipelineEngine",
     "__version__",
     "accelerator",
     "add_config_arguments",
     "checkpoint",
     "comm",
+    "get_accelerator",
     "init_distributed",
-    "init_inference",
     "initialize",
     "ops",
     "runtime",
@@ -50,15 +50,6 @@ __version_major__, __version_minor__, __version_patch__ = 0, 19, 0
 __version__ = f"{__version_major__}.{__version_minor__}.{__version_patch__}+zeroshard.{_zeroshard_version}"
 __git_hash__ = None
 __git_branch__ = None
-
-PipelineEngine = unsupported_class("PipelineEngine", "pipeline parallelism (deepspeed.pipe)")
-InferenceEngine = unsupported_class("InferenceEngine", "DeepSpeed inference (deepspeed.init_inference)")
-
-
-def init_inference(model: nn.Module, config: Any = None, **kwargs: Any) -> Any:
-    """DeepSpeed inference kernels are out of zeroshard's scope: raises ``NotImplementedError``."""
-    unsupported("DeepSpeed inference (deepspeed.init_inference)")
-
 
 def initialize(
     args: argparse.Namespace | None = None,
@@ -103,10 +94,4 @@ def initialize(
     return engine, opt, loader, sched
 
 
-def __getattr__(name: str) -> Any:
-    # deepspeed.checkpointing (activation checkpointing) lives in its own module, imported on first use.
-    if name == "checkpointing":
-        import importlib
-
-        return importlib.import_module("zeroshard.deepspeed.checkpointing")
-    raise AttributeError(f"module 'deepspeed' (zeroshard.deepspeed) has no attribute {name!r}")
+__getattr__ = surface.fallback(__name__)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from zeroshard.deepspeed import surface
 from zeroshard.deepspeed.accelerator.real_accelerator import (
     CPU_Accelerator,
     CUDA_Accelerator,
@@ -17,3 +18,5 @@ __all__ = [
     "get_accelerator",
     "set_accelerator",
 ]
+
+__getattr__ = surface.fallback(__name__)  # the DeepSpeed names not written here

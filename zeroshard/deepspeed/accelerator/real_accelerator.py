@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from zeroshard.deepspeed import surface
 from zeroshard.dist import default_backend
 
 __all__ = [
@@ -325,3 +326,6 @@ def get_accelerator() -> DeepSpeedAccelerator:
 def set_accelerator(accel_obj: DeepSpeedAccelerator) -> None:
     """Use ``accel_obj`` from now on (DeepSpeed's name)."""
     _chosen[:] = [accel_obj]
+
+
+__getattr__ = surface.fallback(__name__)  # the DeepSpeed names not written here

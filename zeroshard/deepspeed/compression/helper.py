@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import warnings
 
+from zeroshard.deepspeed import surface
 from zeroshard.deepspeed.utils.module_utils import recursive_getattr, recursive_setattr
 
 __all__ = ["recursive_getattr", "recursive_setattr"]
@@ -19,3 +20,5 @@ warnings.warn(
     FutureWarning,
     stacklevel=2,
 )
+
+__getattr__ = surface.fallback(__name__)  # the DeepSpeed names not written here

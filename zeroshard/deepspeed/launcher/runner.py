@@ -12,6 +12,8 @@ import os
 import sys
 from collections.abc import Sequence
 
+from zeroshard.deepspeed import surface
+
 __all__ = ["DEEPSPEED_ENVIRONMENT_NAME", "main"]
 
 # The file of extra environment variables DeepSpeed's multi-node runner exports on every node.
@@ -23,3 +25,6 @@ def main(args: Sequence[str] | None = None) -> int:
     from zeroshard.cli.main import main as zeroshard_main
 
     return zeroshard_main(["launch", *(sys.argv[1:] if args is None else args)])
+
+
+__getattr__ = surface.fallback(__name__)  # the DeepSpeed names not written here

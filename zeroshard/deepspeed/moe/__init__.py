@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from zeroshard.deepspeed.moe import layer
+from zeroshard.deepspeed import surface
 
-__all__ = ["layer"]
+__getattr__ = surface.fallback(__name__)  # the DeepSpeed names not written here

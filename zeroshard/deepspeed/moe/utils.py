@@ -15,6 +15,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from zeroshard.deepspeed import surface
 from zeroshard.deepspeed.moe.layer import MoE
 
 __all__ = [
@@ -182,3 +183,6 @@ def configure_moe_param_groups(model_parameters: list[Any]) -> list[dict[str, An
     if any("moe" in group for group in model_parameters):
         return model_parameters  # the MoE groups exist already
     return split_params_into_different_moe_groups_for_optimizer(model_parameters)
+
+
+__getattr__ = surface.fallback(__name__)  # the DeepSpeed names not written here

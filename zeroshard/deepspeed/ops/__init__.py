@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from zeroshard.deepspeed import surface
 from zeroshard.deepspeed.ops import adagrad, adam, lamb, lion
 
 __all__ = ["adagrad", "adam", "lamb", "lion"]
+
+__getattr__ = surface.fallback(__name__)  # the DeepSpeed names not written here

@@ -7,6 +7,8 @@ Lightning Fabric's ``DeepSpeedStrategy.load_checkpoint`` does, sees a torch opti
 
 from __future__ import annotations
 
+from zeroshard.deepspeed import surface
+
 __all__ = ["DeepSpeedOptimizer", "ZeROOptimizer"]
 
 
@@ -16,3 +18,6 @@ class DeepSpeedOptimizer:
 
 class ZeROOptimizer(DeepSpeedOptimizer):
     """DeepSpeed's ZeRO optimizer base class; zeroshard has no subclass of it."""
+
+
+__getattr__ = surface.fallback(__name__)  # the DeepSpeed names not written here

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from zeroshard.config import ZeroshardConfig, load_config
+from zeroshard.deepspeed import surface
 from zeroshard.deepspeed.comm import get_world_size
 
 __all__ = ["DeepSpeedConfig"]
@@ -21,3 +22,6 @@ def DeepSpeedConfig(
     if mpu is not None:
         raise ValueError("DeepSpeedConfig(mpu=...): model parallelism is not supported by zeroshard")
     return load_config(config, world_size=get_world_size())
+
+
+__getattr__ = surface.fallback(__name__)  # the DeepSpeed names not written here

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import Generic, TypeVar
 
+from zeroshard.deepspeed import surface
+
 __all__ = ["RepeatingLoader"]
 
 T = TypeVar("T")
@@ -32,3 +34,6 @@ class RepeatingLoader(Generic[T]):
         except StopIteration:
             self.data_iter = iter(self.loader)  # the next pass; an empty loader stops here too
             return next(self.data_iter)
+
+
+__getattr__ = surface.fallback(__name__)  # the DeepSpeed names not written here

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from zeroshard.deepspeed import surface
 from zeroshard.engine import ZeroshardEngine as DeepSpeedEngine
 
 __all__ = ["DeepSpeedEngine"]
+
+__getattr__ = surface.fallback(__name__)  # the DeepSpeed names not written here

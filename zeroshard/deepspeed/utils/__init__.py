@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from zeroshard.core.marks import set_z3_leaf_modules
+from zeroshard.deepspeed import surface
 from zeroshard.deepspeed.runtime.dataloader import RepeatingLoader
 from zeroshard.deepspeed.utils.logging import log_dist, logger, print_rank_0
 from zeroshard.deepspeed.utils.module_utils import recursive_getattr, recursive_setattr
@@ -16,6 +16,7 @@ from zeroshard.deepspeed.utils.tensor_fragment import (
     safe_set_full_fp32_param,
     safe_set_full_optimizer_state,
 )
+from zeroshard.deepspeed.utils.z3_leaf_module import set_z3_leaf_modules
 
 __all__ = [
     "RepeatingLoader",
@@ -32,3 +33,5 @@ __all__ = [
     "safe_set_full_optimizer_state",
     "set_z3_leaf_modules",
 ]
+
+__getattr__ = surface.fallback(__name__)  # the DeepSpeed names not written here

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 
+from zeroshard.deepspeed import surface
 from zeroshard.deepspeed.comm import get_rank
 
 __all__ = ["log_dist", "logger", "print_rank_0"]
@@ -25,3 +26,6 @@ def print_rank_0(message: str, debug: bool = False, force: bool = False) -> None
     """Log ``message`` on rank 0 (DeepSpeed prints it; zeroshard's library never prints)."""
     if get_rank() == 0:
         logger.info("%s", message)
+
+
+__getattr__ = surface.fallback(__name__)  # the DeepSpeed names not written here

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from zeroshard.deepspeed import surface
+
 __all__ = ["recursive_getattr", "recursive_setattr"]
 
 
@@ -25,3 +27,6 @@ def recursive_setattr(model: Any, module_name: str, module: Any) -> None:
     parent, _, last = module_name.rpartition(".")
     owner = recursive_getattr(model, parent) if parent else model
     setattr(owner, last, module)
+
+
+__getattr__ = surface.fallback(__name__)  # the DeepSpeed names not written here

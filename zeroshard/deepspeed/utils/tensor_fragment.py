@@ -19,6 +19,7 @@ from torch import nn
 from zeroshard.checkpoint.export import _gather_from_masters, gather_param_from_shards
 from zeroshard.core.comm import Comm
 from zeroshard.core.flat_param import FlatUnit
+from zeroshard.deepspeed import surface
 from zeroshard.zero import GatheredParameters, owner_of
 
 __all__ = [
@@ -114,3 +115,6 @@ def safe_get_full_optimizer_state(param: nn.Parameter, optim_state_key: str) -> 
 def safe_set_full_optimizer_state(param: nn.Parameter, value: torch.Tensor, optim_state_key: str) -> None:
     """Not supported (see the module docstring): raises ``NotImplementedError`` naming it."""
     _refuse("safe_set_full_optimizer_state")
+
+
+__getattr__ = surface.fallback(__name__)  # the DeepSpeed names not written here

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from zeroshard.core.marks import set_z3_leaf_modules
+from zeroshard.deepspeed import surface
 from zeroshard.deepspeed.runtime.zero import partition_parameters
 from zeroshard.deepspeed.runtime.zero.partition_parameters import (
     GatheredParameters,
@@ -10,6 +10,7 @@ from zeroshard.deepspeed.runtime.zero.partition_parameters import (
     ZeroParamStatus,
     register_external_parameter,
 )
+from zeroshard.deepspeed.utils.z3_leaf_module import set_z3_leaf_modules
 
 __all__ = [
     "GatheredParameters",
@@ -19,3 +20,5 @@ __all__ = [
     "register_external_parameter",
     "set_z3_leaf_modules",
 ]
+
+__getattr__ = surface.fallback(__name__)  # the DeepSpeed names not written here

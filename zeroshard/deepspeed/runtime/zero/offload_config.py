@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from zeroshard.config.blocks import OffloadOptimizerConfig, OffloadParamConfig
+from zeroshard.deepspeed import surface
 from zeroshard.state_offload import OffloadDeviceEnum, OffloadStateTypeEnum
 
 __all__ = [
@@ -40,3 +41,6 @@ class DeepSpeedZeroOffloadOptimizerConfig(OffloadOptimizerConfig):
 
     def __init__(self, strict: bool = False, **data: Any) -> None:
         super().__init__(**_lenient(strict, data))
+
+
+__getattr__ = surface.fallback(__name__)  # the DeepSpeed names not written here

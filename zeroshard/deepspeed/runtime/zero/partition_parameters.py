@@ -11,6 +11,7 @@ import torch
 
 from zeroshard.core.ds_attrs import ZeroParamStatus, ds_id, present
 from zeroshard.core.marks import register_external_parameter
+from zeroshard.deepspeed import surface
 from zeroshard.zero import GatheredParameters, Init
 
 if TYPE_CHECKING:
@@ -84,3 +85,6 @@ def _mark_stage3_params(engine: ZeroshardEngine) -> None:
     for param in engine.module.parameters():
         if id(param) not in in_units:
             present(param, param.shape, param.detach().reshape(-1), available=True)
+
+
+__getattr__ = surface.fallback(__name__)  # the DeepSpeed names not written here

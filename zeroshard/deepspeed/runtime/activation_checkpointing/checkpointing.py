@@ -1,5 +1,8 @@
 """``deepspeed.checkpointing``: DeepSpeed's activation-checkpointing API over ``torch.utils.checkpoint``.
 
+DeepSpeed's module ``deepspeed.runtime.activation_checkpointing.checkpointing``, bound in ``deepspeed`` as
+``checkpointing``.
+
 ``checkpoint`` is the reentrant kind (DeepSpeed's ``CheckpointFunction`` is), ``non_reentrant_checkpoint``
 the other; both train exactly at every ZeRO stage ([Note: recompute] in ``zeroshard/core/hooks.py``).
 zeroshard is data parallel only, so the model-parallel parts are trivial: the RNG tracker has one state and
@@ -17,6 +20,8 @@ from typing import Any
 
 import torch
 from torch.utils.checkpoint import checkpoint as _torch_checkpoint
+
+from zeroshard.deepspeed import surface
 
 __all__ = [
     "checkpoint",
@@ -121,3 +126,6 @@ def get_cuda_rng_tracker() -> _RNGTracker:
 def model_parallel_cuda_manual_seed(seed: int) -> None:
     """Seed the default generators (one model-parallel rank: the data-parallel seed is the seed)."""
     torch.manual_seed(seed)
+
+
+__getattr__ = surface.fallback(__name__)  # the DeepSpeed names not written here

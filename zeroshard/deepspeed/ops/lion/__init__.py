@@ -12,6 +12,7 @@ from typing import Any
 
 from torch import Tensor
 
+from zeroshard.deepspeed import surface
 from zeroshard.optimizers import Lion
 
 __all__ = ["DeepSpeedCPULion", "FusedLion"]
@@ -28,7 +29,7 @@ class DeepSpeedCPULion(Lion):
         model_params: Params,
         lr: float = 1e-3,
         betas: tuple[float, float] = (0.9, 0.999),
-        weight_decay: float = 0.0,
+        weight_decay: float = 0,
         fp32_optimizer_states: bool = True,
         adamw_mode: bool = False,
     ) -> None:
@@ -50,3 +51,6 @@ class FusedLion(Lion):
         set_grad_none: bool = True,
     ) -> None:
         super().__init__(params, lr=lr, betas=betas, weight_decay=weight_decay)
+
+
+__getattr__ = surface.fallback(__name__)  # the DeepSpeed names not written here

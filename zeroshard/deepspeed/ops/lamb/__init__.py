@@ -7,6 +7,7 @@ from typing import Any
 
 from torch import Tensor
 
+from zeroshard.deepspeed import surface
 from zeroshard.optimizers import Lamb
 
 __all__ = ["FusedLamb"]
@@ -50,3 +51,6 @@ class FusedLamb(Lamb):
             min_coeff=min_coeff,
             eps_inside_sqrt=eps_inside_sqrt,
         )
+
+
+__getattr__ = surface.fallback(__name__)  # the DeepSpeed names not written here

@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from zeroshard.deepspeed import surface
+
 __all__ = ["DeepSpeedCPUAdagrad"]
 
 
@@ -25,7 +27,7 @@ class DeepSpeedCPUAdagrad(torch.optim.Adagrad):
         model_params: Iterable[Tensor] | Iterable[dict[str, Any]],
         lr: float = 1e-2,
         eps: float = 1e-10,
-        weight_decay: float = 0.0,
+        weight_decay: float = 0,
         amsgrad: bool = False,
         fp32_optimizer_states: bool = True,
         adamw_mode: bool = False,
@@ -38,3 +40,6 @@ class DeepSpeedCPUAdagrad(torch.optim.Adagrad):
                 "Adagrad has neither variant"
             )
         super().__init__(model_params, lr=lr, eps=eps, weight_decay=weight_decay)
+
+
+__getattr__ = surface.fallback(__name__)  # the DeepSpeed names not written here

@@ -9,7 +9,9 @@ when no process group is initialized, as DeepSpeed's do after ``init_distributed
 from __future__ import annotations
 
 import os
+from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch.distributed import (
     P2POp,
@@ -37,6 +39,7 @@ from torch.distributed import (
     send,
 )
 
+from zeroshard.deepspeed import surface
 from zeroshard.deepspeed.distributed import init_distributed
 
 __all__ = [
@@ -79,8 +82,31 @@ __all__ = [
     "send",
 ]
 
-allgather_fn = all_gather_into_tensor
-reduce_scatter_fn = reduce_scatter_tensor
+
+def allgather_fn(
+    output_tensor: torch.Tensor,
+    input_tensor: torch.Tensor,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+    debug: str | None = None,
+) -> Any:
+    """``all_gather_into_tensor`` under DeepSpeed's name (``debug`` names the caller in DeepSpeed's comms
+    log, which zeroshard does not keep). Collective: call on all ranks of ``group``."""
+    return all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
+def reduce_scatter_fn(
+    output_tensor: torch.Tensor,
+    tensor: torch.Tensor,
+    op: ReduceOp.RedOpType = ReduceOp.SUM,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+    prof: bool = False,
+    debug: str | None = None,
+) -> Any:
+    """``reduce_scatter_tensor`` under DeepSpeed's name and argument names (``prof`` and ``debug`` drive
+    DeepSpeed's comms log). Collective: call on all ranks of ``group``."""
+    return reduce_scatter_tensor(output_tensor, tensor, op=op, group=group, async_op=async_op)
 
 
 def is_available() -> bool:
@@ -139,3 +165,6 @@ def has_all_gather_into_tensor() -> bool:
 
 def has_reduce_scatter_tensor() -> bool:
     return True
+
+
+__getattr__ = surface.fallback(__name__)  # the DeepSpeed names not written here

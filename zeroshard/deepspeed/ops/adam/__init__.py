@@ -11,6 +11,7 @@ from typing import Any
 
 from torch import Tensor
 
+from zeroshard.deepspeed import surface
 from zeroshard.optimizers import DeepSpeedAdam
 
 __all__ = ["DeepSpeedCPUAdam", "FusedAdam"]
@@ -33,7 +34,7 @@ class DeepSpeedCPUAdam(DeepSpeedAdam):
         bias_correction: bool = True,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
-        weight_decay: float = 0.0,
+        weight_decay: float = 0,
         amsgrad: bool = False,
         adamw_mode: bool = True,
         fp32_optimizer_states: bool = True,
@@ -75,3 +76,6 @@ class FusedAdam(DeepSpeedAdam):
             bias_correction=bias_correction,
             adam_w_mode=adam_w_mode,
         )
+
+
+__getattr__ = surface.fallback(__name__)  # the DeepSpeed names not written here
