@@ -8,6 +8,7 @@ choice of device, made on the first ``get_accelerator()`` call: CUDA when torch 
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -21,6 +22,7 @@ __all__ = [
     "CUDA_Accelerator",
     "DeepSpeedAccelerator",
     "get_accelerator",
+    "is_current_accelerator_supported",
     "set_accelerator",
 ]
 
@@ -326,6 +328,12 @@ def get_accelerator() -> DeepSpeedAccelerator:
 def set_accelerator(accel_obj: DeepSpeedAccelerator) -> None:
     """Use ``accel_obj`` from now on (DeepSpeed's name)."""
     _chosen[:] = [accel_obj]
+
+
+def is_current_accelerator_supported() -> bool:
+    """Whether this process's accelerator is one DeepSpeed supports (its ``SUPPORTED_ACCELERATOR_LIST``)."""
+    supported: list[str] = getattr(sys.modules[__name__], "SUPPORTED_ACCELERATOR_LIST")  # noqa: B009
+    return get_accelerator().device_name() in supported
 
 
 __getattr__ = surface.fallback(__name__)  # the DeepSpeed names not written here

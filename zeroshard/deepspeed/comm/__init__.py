@@ -8,6 +8,7 @@ when no process group is initialized, as DeepSpeed's do after ``init_distributed
 
 from __future__ import annotations
 
+import datetime
 import os
 from typing import Any
 
@@ -57,8 +58,10 @@ __all__ = [
     "batch_isend_irecv",
     "broadcast",
     "broadcast_object_list",
+    "configure",
     "destroy_process_group",
     "gather",
+    "get_all_ranks_from_group",
     "get_global_rank",
     "get_local_rank",
     "get_rank",
@@ -66,11 +69,13 @@ __all__ = [
     "get_world_size",
     "has_all_gather_into_tensor",
     "has_reduce_scatter_tensor",
+    "inference_all_reduce",
     "init_distributed",
     "irecv",
     "is_available",
     "is_initialized",
     "isend",
+    "log_summary",
     "monitored_barrier",
     "new_group",
     "recv",
@@ -165,6 +170,77 @@ def has_all_gather_into_tensor() -> bool:
 
 def has_reduce_scatter_tensor() -> bool:
     return True
+
+
+def get_all_ranks_from_group(group: ProcessGroup | None = None) -> list[int]:
+    """The global ranks of ``group``'s members, in group-rank order.
+
+    As DeepSpeed: ``None`` names no registered group and gives ``[]``; a process group must be
+    initialized. The world group gives every rank (DeepSpeed's loop never ends there: torch maps any rank
+    of the world group to itself).
+    """
+    if not is_initialized():
+        raise RuntimeError(
+            "deepspeed.comm.get_all_ranks_from_group: no process group; call init_distributed()"
+        )
+    if group is None:
+        return []
+    if group is dist.group.WORLD:
+        return list(range(dist.get_world_size()))
+    try:
+        return dist.get_process_group_ranks(group)
+    except KeyError:  # not a registered group: DeepSpeed's lookup fails at once and gives []
+        return []
+
+
+def inference_all_reduce(
+    tensor: torch.Tensor,
+    op: ReduceOp.RedOpType = ReduceOp.SUM,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+    prof: bool = False,
+    log_name: str = "all_reduce",
+    debug: str | None = None,
+) -> Any:
+    """A blocking ``all_reduce`` of ``tensor`` in place (``async_op``, ``prof``, ``log_name`` and ``debug``
+    are DeepSpeed's and change nothing). Returns ``tensor`` when the group has one process, else what
+    ``torch.distributed.all_reduce`` returns (``None``), as DeepSpeed's does.
+
+    Collective: call on all ranks of ``group``.
+    """
+    if get_world_size(group) <= 1:
+        return tensor
+    return all_reduce(tensor, op=op, group=group, async_op=False)
+
+
+@surface.accepted("configures DeepSpeed's comms logger only; zeroshard keeps no comms log")
+def configure(
+    deepspeed_config: Any = None,
+    enabled: bool | None = None,
+    prof_all: bool | None = None,
+    prof_ops: list[str] | None = None,
+    verbose: bool | None = None,
+    debug: bool | None = None,
+) -> None:
+    """Does nothing: DeepSpeed's only effect is on its comms logger, which zeroshard does not keep."""
+
+
+@surface.accepted("prints DeepSpeed's comms log, which zeroshard does not keep (nothing is recorded)")
+def log_summary(show_straggler: bool = False, return_dict: bool = False) -> dict[str, Any] | None:
+    """What DeepSpeed's gives when its comms logger recorded nothing: ``None``, or with ``return_dict`` the
+    summary's shape with no operations in it. Not collective (DeepSpeed's barriers only order its prints).
+    """
+    if not return_dict:
+        return None
+    return {
+        "summary": {},
+        "straggler_analysis": {} if show_straggler else None,
+        "metadata": {
+            "world_size": get_world_size(),
+            "rank": get_rank(),
+            "timestamp": datetime.datetime.now().isoformat(),
+        },
+    }
 
 
 __getattr__ = surface.fallback(__name__)  # the DeepSpeed names not written here
