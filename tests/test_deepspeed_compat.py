@@ -72,7 +72,8 @@ if not getattr(deepspeed, "REAL", False):
     from deepspeed.ops.adam import DeepSpeedCPUAdam
     # A module with no file in the tree, made from the inventory the package carries.
     import deepspeed.runtime.zero.stage3 as stage3
-    assert stage3.Init is deepspeed.zero.Init and stage3.__spec__.name == "zeroshard.deepspeed.runtime.zero.stage3"
+    assert stage3.Init is deepspeed.zero.Init
+    assert stage3.__spec__.name == "zeroshard.deepspeed.runtime.zero.stage3"
     print(importlib.metadata.version("deepspeed") == deepspeed.__version__, deepspeed.__version__)
 else:
     print()

@@ -326,11 +326,12 @@ def test_cpu_optimizers_accelerate_swaps_in_take_the_torch_step() -> None:
 
 
 def test_launcher_sequence_parallel_and_init_wrapper_names() -> None:
-    from zeroshard.deepspeed.launcher.runner import DEEPSPEED_ENVIRONMENT_NAME
     from zeroshard.deepspeed.runtime.sequence_parallel.ulysses_sp import (
         UlyssesSPAttentionHF,
         UlyssesSPDataLoaderAdapter,
     )
+
+    from zeroshard.deepspeed.launcher.runner import DEEPSPEED_ENVIRONMENT_NAME
     from zeroshard.deepspeed.runtime.zero import partition_parameters as pp
 
     assert DEEPSPEED_ENVIRONMENT_NAME == os.environ.get("DS_ENV_FILE", ".deepspeed_env")
