@@ -150,7 +150,7 @@ def test_check_config_quiet(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
         ({"train_batch_size": 8, "zero_optimization": {"stage": 5}}, [], "zero_optimization.stage"),
         ({"train_batch_size": 8, "fp16": {"enabled": True}, "bf16": {"enabled": True}}, [], "bf16"),
         ({"train_batch_size": 8, "zero_optimisation": {"stage": 1}}, [], "zero_optimization"),  # did you mean
-        ('{"train_batch_size": 8,}', [], "is not valid JSON: line 1"),
+        ('{"train_batch_size": 8]', [], "is not valid JSON: line 1"),
         ({"train_batch_size": 8}, ["--world-size", "0"], "world_size: 0 is not allowed"),
     ],
 )

@@ -10,6 +10,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from zeroshard.errors import DeepSpeedConfigError
+
 __all__ = ["ConfigError", "ConfigTypeError", "ConfigWarning", "Problems", "show"]
 
 
@@ -18,8 +20,13 @@ class ConfigWarning(UserWarning):
     spelling, ignored key, feature without effect)."""
 
 
-class ConfigError(ValueError):
-    """The config cannot be used; the message names each offending key, its value and what is allowed."""
+class ConfigError(ValueError, DeepSpeedConfigError, AssertionError):
+    """The config cannot be used; the message names each offending key, its value and what is allowed.
+
+    Also DeepSpeed's types for config problems, so code written for DeepSpeed catches it: its
+    ``DeepSpeedConfigError`` and ``AssertionError`` (DeepSpeed asserts on many settings, the batch sizes
+    among them); see [Note: DeepSpeed's exception types] in zeroshard/errors.py.
+    """
 
 
 class ConfigTypeError(ConfigError, TypeError):
