@@ -18,7 +18,8 @@ The fallback builds a name on first access, by its kind in the inventory, and ca
 - exception classes are real exception classes, so ``except deepspeed.X.SomeError`` works;
 - any other class, function or object is *refused at use*: importing it works, calling or constructing it
   checks the arguments against DeepSpeed's signature (a wrong call raises ``TypeError`` as in DeepSpeed),
-  then raises ``NotImplementedError`` naming the name, the feature it belongs to and the docs section.
+  then raises ``NotImplementedError`` naming the name, the feature it belongs to and the docs section
+  (``refusals.py``).
 
 Every object made here carries ``__zeroshard_surface__``: ``"data"`` for reproduced values and exception
 classes, ``"refused"`` for the rest; hand-written accepted no-ops carry ``"accepted"``
@@ -27,7 +28,6 @@ classes, ``"refused"`` for the rest; hand-written accepted no-ops carry ``"accep
 
 from __future__ import annotations
 
-import ast
 import enum
 import functools
 import importlib
@@ -40,65 +40,25 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
-from typing import Any, NoReturn, TypeVar
+from typing import Any, TypeVar
+
+from zeroshard.deepspeed.refusals import MARK, RefusedObject, feature_of, refused_class, refused_function
 
 __all__ = [
-    "DOCS",
     "PACKAGE",
     "SurfaceFinder",
     "accepted",
+    "deepspeed_name",
     "fallback",
     "feature_of",
     "install",
     "inventory",
     "kind_of",
+    "our_name",
 ]
 
 PACKAGE = "zeroshard.deepspeed"
 INVENTORY = Path(__file__).with_name("inventory.json")
-DOCS = "docs/porting.md#refused-at-use"
-MARK = "__zeroshard_surface__"
-
-# The feature a refused name belongs to, by DeepSpeed module prefix (the longest prefix wins).
-FEATURES: dict[str, str] = {
-    "deepspeed.pipe": "pipeline parallelism",
-    "deepspeed.runtime.pipe": "pipeline parallelism",
-    "deepspeed.moe": "mixture of experts",
-    "deepspeed.sequence": "sequence parallelism (Ulysses, FPDT)",
-    "deepspeed.runtime.sequence_parallel": "sequence parallelism (Ulysses)",
-    "deepspeed.runtime.tensor_parallel": "tensor parallelism (AutoTP)",
-    "deepspeed.runtime.domino": "Domino tensor-parallel overlap",
-    "deepspeed.runtime.hybrid_engine": "the RLHF hybrid engine (inference kernels)",
-    "deepspeed.runtime.hybrid_engine_graph": "the RLHF hybrid engine (inference kernels)",
-    "deepspeed.runtime.rollout": "RLHF rollout engines",
-    "deepspeed.runtime.zenflow": "ZenFlow",
-    "deepspeed.runtime.superoffload": "SuperOffload",
-    "deepspeed.runtime.data_pipeline": "data efficiency (curriculum learning, data sampling, random-LTD)",
-    "deepspeed.runtime.swap_tensor": "DeepSpeed's NVMe swapper internals (zeroshard's offload replaces them)",
-    "deepspeed.runtime.zero": "DeepSpeed's ZeRO internals (zeroshard's engine replaces them)",
-    "deepspeed.runtime.fp16": "DeepSpeed's fp16 optimizer internals (zeroshard's engine replaces them)",
-    "deepspeed.runtime.comm": "compressed communication (1-bit optimizers)",
-    "deepspeed.runtime.checkpoint_engine": "DeepSpeed's checkpoint engines (Nebula, FastPersist, decoupled)",
-    "deepspeed.runtime.model_checkpointing": "DeepSpeed's checkpoint writers (FastPersist)",
-    "deepspeed.runtime": "DeepSpeed's runtime internals (zeroshard's engine replaces them)",
-    "deepspeed.compression": "model compression (quantization-aware training, pruning)",
-    "deepspeed.autotuning": "the autotuner",
-    "deepspeed.profiling": (
-        "DeepSpeed's FLOPs profiler (torch.utils.flop_counter.FlopCounterMode counts a model's FLOPs)"
-    ),
-    "deepspeed.monitor": "DeepSpeed's monitor classes (zeroshard reads the same config blocks)",
-    "deepspeed.nvme": "DeepSpeed's NVMe benchmarking tools",
-    "deepspeed.io": "DeepSpeed's FastPersist file writers",
-    "deepspeed.datastates": "DataStates asynchronous checkpointing",
-    "deepspeed.checkpoint": "DeepSpeed's universal-checkpoint tools",
-    "deepspeed.launcher": "DeepSpeed's launcher internals (zeroshard launch runs scripts)",
-    "deepspeed.elasticity": "DeepSpeed elasticity",
-    "deepspeed.comm": "DeepSpeed's communication internals",
-    "deepspeed.accelerator": "DeepSpeed's accelerator back-ends other than CPU and CUDA",
-    "deepspeed.ops": "DeepSpeed's compiled ops",
-    "deepspeed.utils": "DeepSpeed's utility internals",
-    "deepspeed": "DeepSpeed internals",
-}
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -122,16 +82,6 @@ def our_name(module: str) -> str:
     return PACKAGE + module[len("deepspeed") :]
 
 
-def feature_of(ds_module: str) -> str:
-    """The feature (a phrase for messages and docs) that DeepSpeed module ``ds_module`` belongs to."""
-    parts = ds_module.split(".")
-    for n in range(len(parts), 0, -1):
-        feature = FEATURES.get(".".join(parts[:n]))
-        if feature is not None:
-            return feature
-    return FEATURES["deepspeed"]
-
-
 def kind_of(obj: Any) -> str:
     """``"refused"``, ``"accepted"`` or ``"data"`` for objects made or marked here, else ``"implemented"``."""
     try:
@@ -151,125 +101,6 @@ def accepted(reason: str) -> Callable[[_F], _F]:
         return obj
 
     return mark
-
-
-def refuse(what: str, feature: str) -> NoReturn:
-    raise NotImplementedError(
-        f"{what} belongs to {feature}, which zeroshard does not provide (zeroshard is ZeRO data "
-        f"parallelism with DeepSpeed's API); see {DOCS}"
-    )
-
-
-# --- signatures -----------------------------------------------------------------------------------------
-
-
-class _Default:
-    """A default value the inventory only knows by its ``repr`` (an object, a function)."""
-
-    def __init__(self, text: str) -> None:
-        self.text = text
-
-    def __repr__(self) -> str:
-        return self.text
-
-
-def _default(text: str | None) -> Any:
-    if text is None:
-        return inspect.Parameter.empty
-    try:
-        value = ast.literal_eval(text)
-    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
-        return _Default(text)
-    return value if repr(value) == text else _Default(text)  # ``500,000,000`` is not a tuple
-
-
-def signature_of(params: Sequence[Sequence[Any]] | None) -> inspect.Signature | None:
-    """The :class:`inspect.Signature` an inventory entry describes (``None`` when DeepSpeed's is unknown)."""
-    if params is None:
-        return None
-    return inspect.Signature(
-        [
-            inspect.Parameter(name, getattr(inspect.Parameter, kind), default=_default(default))
-            for name, kind, default in params
-        ]
-    )
-
-
-# --- the objects ------------------------------------------------------------------------------------------
-
-
-def _refused_function(module: str, name: str, entry: dict[str, Any]) -> Callable[..., Any]:
-    ds_module = deepspeed_name(module)
-    sig = signature_of(entry.get("signature"))
-    feature = feature_of(ds_module)
-
-    def refused(*args: Any, **kwargs: Any) -> Any:
-        if sig is not None:
-            sig.bind(*args, **kwargs)  # a call DeepSpeed would reject fails the same way first
-        refuse(f"{ds_module}.{name}()", feature)
-
-    refused.__name__ = refused.__qualname__ = name
-    refused.__module__ = module
-    refused.__doc__ = f"DeepSpeed's ``{ds_module}.{name}``: refused at use ({feature})."
-    refused.__signature__ = sig  # type: ignore[attr-defined]
-    setattr(refused, MARK, "refused")
-    return refused
-
-
-class _RefusedMeta(type):
-    """Metaclass of refused classes: DeepSpeed's public methods read on the class itself are refused too."""
-
-    def __getattr__(cls, attr: str) -> Any:
-        methods = cls.__dict__.get("_deepspeed_methods", {})
-        if attr in methods:
-            refuse(f"{cls.__dict__['_deepspeed_name']}.{attr}", cls.__dict__["_deepspeed_feature"])
-        raise AttributeError(attr)
-
-
-def _refused_class(module: str, name: str, entry: dict[str, Any]) -> type:
-    ds_module = deepspeed_name(module)
-    feature = feature_of(ds_module)
-    qualified = f"{ds_module}.{name}"
-
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        if sig is not None:
-            sig.bind(*args, **kwargs)
-        refuse(qualified, feature)
-
-    sig = signature_of(entry.get("signature"))
-    namespace = {
-        "__init__": __init__,
-        "__module__": module,
-        "__doc__": f"DeepSpeed's ``{qualified}``: refused at use ({feature}).",
-        "__signature__": sig,
-        MARK: "refused",
-        "_deepspeed_name": qualified,
-        "_deepspeed_feature": feature,
-        "_deepspeed_methods": entry.get("methods") or {},
-    }
-    return _RefusedMeta(name, (), namespace)
-
-
-class _RefusedObject:
-    """A module-level DeepSpeed object (a timer, a logger instance) of a refused kind."""
-
-    def __init__(self, qualified: str, feature: str) -> None:
-        object.__setattr__(self, "_qualified", qualified)
-        object.__setattr__(self, "_feature", feature)
-
-    def __getattr__(self, attr: str) -> Any:
-        if attr.startswith("__"):
-            raise AttributeError(attr)
-        refuse(f"{self._qualified}.{attr}", self._feature)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        refuse(f"{self._qualified}()", self._feature)
-
-    def __repr__(self) -> str:
-        return f"<{self._qualified}: refused at use>"
-
-
-_RefusedObject.__zeroshard_surface__ = "refused"  # type: ignore[attr-defined]
 
 
 def _exception(module: str, name: str, entry: dict[str, Any]) -> type:
@@ -363,10 +194,10 @@ def _make(module: str, name: str, entry: dict[str, Any]) -> Any:
     if kind == "exception":
         return _exception(module, name, entry)
     if kind == "class":
-        return _refused_class(module, name, entry)
+        return refused_class(module, ds_module, name, entry)
     if kind == "function":
-        return _refused_function(module, name, entry)
-    return _RefusedObject(f"{ds_module}.{name}", feature_of(ds_module))
+        return refused_function(module, ds_module, name, entry)
+    return RefusedObject(f"{ds_module}.{name}", feature_of(ds_module))
 
 
 def fallback(module: str) -> Callable[[str], Any]:

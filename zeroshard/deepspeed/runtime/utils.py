@@ -25,6 +25,7 @@ import torch
 
 from zeroshard.deepspeed import comm, surface
 from zeroshard.deepspeed.accelerator import get_accelerator
+from zeroshard.deepspeed.refusals import refuse
 from zeroshard.deepspeed.utils.logging import logger
 
 __all__ = [
@@ -63,7 +64,7 @@ _GiB = 1024**3
 def _refuse_mpu(mpu: Any, name: str) -> None:
     """[Note: mpu means model parallelism]."""
     if mpu is not None:
-        surface.refuse(f"deepspeed.runtime.utils.{name}(mpu=...)", "model parallelism (an mpu)")
+        refuse(f"deepspeed.runtime.utils.{name}(mpu=...)", "model parallelism (an mpu)")
 
 
 def _accelerator() -> Any:
