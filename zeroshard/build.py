@@ -35,6 +35,7 @@ from zeroshard.core.units import UnitOptions, build_units, unit_elements
 from zeroshard.data import ResumableDataLoader, build_loader
 from zeroshard.dist import init_distributed, local_rank, training_device
 from zeroshard.engine import ZeroshardEngine
+from zeroshard.errors import ArgumentError
 from zeroshard.lr_schedules import build_scheduler
 from zeroshard.offload.setup import build_offload
 from zeroshard.optim_factory import build_optimizer, check_optimizer_for_stage
@@ -69,8 +70,8 @@ def initialize(
         rank's shards (the client's own object, re-seated, when one was given); ``dataloader`` is None unless
         ``training_data`` was given.
     """
-    if model is None:
-        raise ValueError("initialize() needs model=: the torch.nn.Module to train")
+    if model is None:  # ArgumentError: also DeepSpeed's AssertionError ([Note: DeepSpeed's exception types])
+        raise ArgumentError("initialize() needs model=: the torch.nn.Module to train")
     if not isinstance(model, nn.Module):
         raise TypeError(f"initialize(model=...) needs a torch.nn.Module, got {type(model).__name__}")
     if mpu is not None:

@@ -50,41 +50,76 @@ def init_distributed(
     dist_backend: str | None = None,
     timeout: datetime.timedelta = DEFAULT_TIMEOUT,
     init_method: str | None = None,
+    rank: int = -1,
+    world_size: int = -1,
 ) -> bool:
-    """Join the process group that torchrun (or Slurm, via its exported variables) describes.
+    """Join the process group that torchrun (or Slurm, via its exported variables) describes, or the one
+    that ``init_method`` with ``rank`` and ``world_size`` describes.
 
     Reuses a process group that is already initialized. Without a launcher (no ``WORLD_SIZE`` in the
-    environment) it does nothing and training runs as world size 1. On CUDA it also selects the device of
-    ``LOCAL_RANK``.
+    environment), no ``init_method`` and no ``world_size``, it does nothing and training runs as world
+    size 1. On CUDA it also selects the device of ``LOCAL_RANK``.
 
     Args:
         dist_backend: "gloo" or "nccl"; default: NCCL on CUDA, gloo on CPU.
         timeout: how long any collective may wait before it raises.
-        init_method: a rendezvous URL; default: torchrun's ``env://``.
+        init_method: a rendezvous URL (``env://``, ``tcp://host:port``, ``file:///path``); default:
+            torchrun's ``env://``.
+        rank: this process's rank, passed on to ``torch.distributed.init_process_group``; -1: from the
+            environment (``RANK``) or from ``init_method``.
+        world_size: the number of processes, passed on likewise; -1: from ``WORLD_SIZE`` or ``init_method``.
 
     Returns:
         True when a process group is in use afterwards, False for world size 1 without one.
+
+    Raises:
+        TypeError: ``rank`` or ``world_size`` is not an int.
+        ValueError: ``rank`` or ``world_size`` out of range, or an unsupported backend.
+        RuntimeError: ``env://`` (no ``init_method``) without the launcher variables it needs.
     """
+    validate_rank(rank, world_size)
     if dist.is_initialized():
         return True
-    if "WORLD_SIZE" not in os.environ:
+    if "WORLD_SIZE" not in os.environ and init_method is None and world_size < 0:
         return False
-    missing = [v for v in _LAUNCHER_VARS if v not in os.environ]
-    if missing and init_method is None:
+    given = {"RANK": rank >= 0, "WORLD_SIZE": world_size >= 0}
+    missing = [v for v in _LAUNCHER_VARS if v not in os.environ and not given.get(v, False)]
+    if missing and init_method is None:  # env:// reads them; a URL carries its own rendezvous
         raise RuntimeError(
-            f"WORLD_SIZE is set but {', '.join(missing)} is not: start the script with "
-            "`torchrun --nproc_per_node N script.py` (or `zeroshard launch`), which sets all of them"
+            f"joining the process group through env:// needs {', '.join(missing)} in the environment: start "
+            "the script with `torchrun --nproc_per_node N script.py` (or `zeroshard launch`), which sets "
+            "all of them, or pass init_method= (tcp:// or file://) with rank= and world_size="
         )
     backend = dist_backend or default_backend()
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"dist_backend {backend!r} is not supported; expected 'gloo' or 'nccl'")
     if backend == "nccl":
         torch.cuda.set_device(local_rank())
-    dist.init_process_group(backend=backend, init_method=init_method or "env://", timeout=timeout)
+    dist.init_process_group(
+        backend=backend,
+        init_method=init_method or "env://",
+        timeout=timeout,
+        rank=rank,
+        world_size=world_size,
+    )
     logger.info(
         "initialized %s process group: rank %d of %d", backend, dist.get_rank(), dist.get_world_size()
     )
     return True
+
+
+def validate_rank(rank: int, world_size: int) -> None:
+    """Refuse a ``rank``/``world_size`` pair ``torch.distributed`` cannot use (-1 stands for "not given")."""
+    values: tuple[tuple[str, object], ...] = (("rank", rank), ("world_size", world_size))
+    for name, value in values:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name}={value!r} is not allowed; expected an int >= 0, or -1 for unset")
+        if value < -1:
+            raise ValueError(f"{name}={value!r} is not allowed; expected an int >= 0, or -1 for unset")
+    if world_size == 0 or 0 <= world_size <= rank:
+        raise ValueError(
+            f"rank={rank}, world_size={world_size} is not allowed; expected 0 <= rank < world_size"
+        )
 
 
 def shutdown_distributed() -> None:

@@ -37,6 +37,7 @@ from zeroshard.core.stages import StagePlan
 from zeroshard.data import ResumableDataLoader
 from zeroshard.engine_checkpoint import CheckpointMethods
 from zeroshard.engine_surface import DeepSpeedSurface
+from zeroshard.errors import UsageError
 from zeroshard.nonfinite import loss_scale_floor_error, stop_or_warn
 from zeroshard.offload.setup import Offload
 from zeroshard.telemetry import Telemetry
@@ -190,6 +191,11 @@ class ZeroshardEngine(DeepSpeedSurface, CheckpointMethods):
             self._step(lr_kwargs)
 
     def _step(self, lr_kwargs: dict[str, Any] | None) -> None:
+        if self._no_sync:
+            raise UsageError(
+                "step() was called inside engine.no_sync(): leave the block first (the boundary "
+                "micro-batch's backward, outside it, reduces the gradients the step applies)"
+            )
         if not self._backward_since_step:
             self._take_plain_gradients()  # loss.backward() instead of engine.backward(loss)
         if self.is_gradient_accumulation_boundary():
@@ -215,12 +221,14 @@ class ZeroshardEngine(DeepSpeedSurface, CheckpointMethods):
 
         They accumulate there over the micro-steps, as in PyTorch; at the accumulation boundary they are
         scaled as ``engine.backward`` scales its loss (by 1 / gradient_accumulation_steps, and by the fp16
-        loss scale that the step then divides out) and reduced like one backward, so the update equals
-        ``engine.backward(loss)``'s. Until then full-size gradients stay in memory, as in DDP: at stages
-        2 and 3, ``engine.backward`` is the path that keeps only shards.
+        loss scale that the step then divides out, unless ``engine.scale(loss)`` applied it already) and
+        reduced like one backward, so the update equals ``engine.backward(loss)``'s. Until then full-size
+        gradients stay in memory, as in DDP: at stages 2 and 3, ``engine.backward`` is the path that keeps
+        only shards.
 
         Collective at the boundary: call on all ranks.
         """
+        scaled = self._plain_loss_was_scaled(self.is_gradient_accumulation_boundary())  # engine.scale()
         local = any(p.grad is not None for p in self.module.parameters())
         if not self.is_gradient_accumulation_boundary():
             if not local:
@@ -233,7 +241,7 @@ class ZeroshardEngine(DeepSpeedSurface, CheckpointMethods):
                 "step() found no gradients: call engine.backward(loss) or loss.backward() first"
             )
         factor = 1.0 / self.config.gradient_accumulation_steps
-        if self.loss_scaler is not None:
+        if self.loss_scaler is not None and not scaled:
             factor *= self.loss_scaler.scale
         self.reducer.begin_backward(reduce=not self._no_sync)
         self.reducer.take_plain_gradients(factor)
@@ -248,7 +256,7 @@ class ZeroshardEngine(DeepSpeedSurface, CheckpointMethods):
                 "run the boundary micro-batch's backward() outside engine.no_sync()"
             )
         if self.optimizer is None:
-            raise RuntimeError(
+            raise UsageError(
                 "step() needs an optimizer: pass optimizer= to initialize() or an 'optimizer' block"
             )
         step = self.sharded_step
@@ -347,18 +355,29 @@ class ZeroshardEngine(DeepSpeedSurface, CheckpointMethods):
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Skip gradient reduction for the backwards inside (stages 0 and 1 only)."""
+        """Skip gradient reduction for the backwards inside (stages 0 and 1 only), as DeepSpeed's.
+
+        The gradients accumulate locally; the boundary micro-batch's backward, outside the block, reduces
+        them all. ``step()`` inside the block is refused, and so is entering the block again inside itself,
+        as DeepSpeed refuses both.
+
+        Raises:
+            UsageError: At ZeRO stage 2 or 3, or inside ``no_sync()`` already; a ``RuntimeError`` and
+                DeepSpeed's ``AssertionError`` ([Note: DeepSpeed's exception types] in errors.py).
+        """
         if not self.plan.allows_no_sync:
-            raise RuntimeError(
+            raise UsageError(
                 f"no_sync() is not possible at ZeRO stage {self.plan.stage}: gradients are reduce-scattered "
                 "during every backward so that only a shard is kept; use stage 0 or 1, or rely on "
                 "gradient_accumulation_steps"
             )
-        previous, self._no_sync = self._no_sync, True
+        if self._no_sync:
+            raise UsageError("no_sync() was entered again inside no_sync(): use one block per window")
+        self._no_sync = True
         try:
             yield
         finally:
-            self._no_sync = previous
+            self._no_sync = False
 
     @contextlib.contextmanager
     def gathered_parameters(self) -> Iterator[None]:

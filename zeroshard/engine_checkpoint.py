@@ -8,9 +8,11 @@ function that does the work.
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any, Protocol
 
 from zeroshard.core.liveness import collective_api
+from zeroshard.errors import ArgumentTypeError
 
 if TYPE_CHECKING:
     from zeroshard.checkpoint.state import TrainingState
@@ -21,6 +23,16 @@ if TYPE_CHECKING:
 
 
 __all__ = ["CheckpointMethods"]
+
+
+def _check_save_dir(save_dir: object) -> None:
+    """A save directory is a non-empty path; DeepSpeed raises ``ValueError`` for ``None`` and ``""``."""
+    if not isinstance(save_dir, str | os.PathLike):
+        raise ArgumentTypeError(
+            f"save_checkpoint(save_dir={save_dir!r}): expected a directory path (str or os.PathLike)"
+        )
+    if not os.fspath(save_dir):
+        raise ValueError("save_checkpoint(save_dir=''): expected a directory path, got an empty string")
 
 
 class CheckpointMethods:
@@ -38,12 +50,21 @@ class CheckpointMethods:
     ) -> str:
         """Sharded, atomic checkpoint (see zeroshard.checkpoint.save_checkpoint); ``format="deepspeed"``
         writes DeepSpeed's ZeRO layout instead (see checkpoint/deepspeed_writer.py). ``keep_last=N``
-        deletes the oldest checkpoints of ``save_dir`` beyond the newest N (zeroshard format). Collective."""
+        deletes the oldest checkpoints of ``save_dir`` beyond the newest N (zeroshard format). Collective.
+
+        Raises:
+            ArgumentTypeError: ``save_dir`` is not a path (``None``): a ``TypeError`` and DeepSpeed's
+                ``ValueError``.
+            ValueError: ``save_dir`` is empty, as in DeepSpeed; ``tag`` is not a usable directory name.
+            ArgumentError: The ranks gave different tags under ``checkpoint.tag_validation: FAIL`` (a
+                ``ValueError`` and DeepSpeed's ``AssertionError``).
+        """
         from zeroshard.checkpoint import save_checkpoint
         from zeroshard.checkpoint.deepspeed_writer import save_as_deepspeed
 
         if format not in ("zeroshard", "deepspeed"):
             raise ValueError(f"save_checkpoint(format={format!r}): expected 'zeroshard' or 'deepspeed'")
+        _check_save_dir(save_dir)
         api = collective_api(self.comm, "save_checkpoint", self.global_steps)
         with api, self.offload.resident(write_back=False):
             if format == "deepspeed":

@@ -10,6 +10,7 @@ does, so ``engine.generate(...)`` or ``engine.config_class`` reach the model.
 
 from __future__ import annotations
 
+import gc
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
@@ -18,12 +19,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from zeroshard.errors import ArgumentError, UsageError
 from zeroshard.state_offload import OffloadDeviceEnum, OffloadStateTypeEnum, StateOffload, require_offloadable
 
 if TYPE_CHECKING:
     from zeroshard.config import ZeroshardConfig
     from zeroshard.core.comm import Comm
     from zeroshard.core.flat_param import FlatUnit
+    from zeroshard.core.grad_sync import GradientReducer
+    from zeroshard.core.loss_scaler import LossScaler
     from zeroshard.core.stages import StagePlan
 
 __all__ = ["DeepSpeedSurface", "ThroughputTimer"]
@@ -75,11 +79,15 @@ class DeepSpeedSurface(nn.Module):
     plan: StagePlan
     units: list[FlatUnit]
     optimizer: torch.optim.Optimizer | None
+    loss_scaler: LossScaler | None
+    reducer: GradientReducer
     _grad_norm: float | None
     _boundary_override: bool | None = None
     _tput_timer: ThroughputTimer | None = None
     _compiled: bool = False
     _last_step_overflowed: bool = False
+    _scale_called: bool = False  # engine.scale() ran since the last step()
+    _window_scaled: bool | None = None  # whether this window's plain backwards went through scale()
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -130,6 +138,68 @@ class DeepSpeedSurface(nn.Module):
     # -- queries -------------------------------------------------------------------------------------
     def zero_optimization_stage(self) -> int:
         return self.plan.stage
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times the fp16 loss scale, for a script that runs ``backward()`` itself (DeepSpeed's
+        ``engine.scale``): ``engine.scale(loss).backward(); engine.step()`` gives the update
+        ``engine.backward(loss); engine.step()`` gives.
+
+        Without fp16 loss scaling the scale is 1 and ``loss`` comes back unchanged. The step takes the
+        gradients in ``param.grad`` as already scaled: it divides the scale out once, and divides by
+        ``gradient_accumulation_steps`` as for any plain ``loss.backward()`` (engine.py,
+        ``_take_plain_gradients``). Every micro-batch of one accumulation window goes through ``scale`` or
+        none does: their gradients add up in ``param.grad``, and ``step()`` refuses a mix.
+
+        Raises:
+            UsageError: There is no optimizer (nothing would step the gradients).
+            ArgumentError: ``loss`` is not a one-element tensor that requires grad.
+        """
+        if self.optimizer is None:
+            raise UsageError(
+                "engine.scale(loss) needs an optimizer: pass optimizer= to initialize() or add an "
+                "'optimizer' block"
+            )
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise ArgumentError(f"engine.scale() needs a scalar loss tensor, got {shape}; reduce it first")
+        if not loss.requires_grad:
+            raise ArgumentError(
+                "engine.scale() got a loss that does not require grad (computed under no_grad?)"
+            )
+        self._scale_called = True
+        return loss * self.loss_scaler.scale if self.loss_scaler is not None else loss
+
+    def _plain_loss_was_scaled(self, boundary: bool) -> bool:
+        """At ``step()`` after a plain ``loss.backward()``: whether that loss went through :meth:`scale`
+        (then the gradients carry the loss scale already). Consistent over one accumulation window.
+
+        Raises:
+            ArgumentError: Some micro-batches of this window went through ``scale`` and others did not.
+        """
+        scaled, self._scale_called = self._scale_called, False
+        window = self._window_scaled
+        self._window_scaled = None if boundary else scaled  # a window ends at its boundary step
+        if window is not None and window != scaled:
+            raise ArgumentError(
+                "engine.scale(loss) was used for some micro-batches of this accumulation window and not for "
+                "others: their gradients add up in param.grad, so use it for every micro-batch or for none"
+            )
+        return scaled
+
+    def empty_partition_cache(self) -> None:
+        """Free the memory kept between steps for gathering and reducing (DeepSpeed's
+        ``empty_partition_cache``): the idle buffers the engine's pool keeps for reuse (buffers.py
+        [Note: buffer reuse]) and, on CUDA, the caching allocator's unused blocks.
+
+        Nothing gathered is released: between steps a stage-3 unit holds only its shard unless a
+        ``GatheredParameters`` block holds it, and such a block keeps it. The next step allocates its
+        buffers again, so call this where memory matters more than that (before generation, evaluation
+        or saving). Not collective; results do not change.
+        """
+        self.reducer.pool.clear()
+        gc.collect()
+        if self.comm.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def get_global_grad_norm(self) -> float | None:
         """The gradient norm of the last step, before clipping (None before the first step; inf when the

@@ -65,6 +65,7 @@ from zeroshard.checkpoint.format import (
 )
 from zeroshard.checkpoint.reader import FIXED, SCALAR, VALUE, VECTOR
 from zeroshard.checkpoint.tensorfile import TensorSpec, dtype_name, fsync_dir, write_tensors
+from zeroshard.errors import ArgumentError
 
 if TYPE_CHECKING:
     from zeroshard.checkpoint.state import TrainingState
@@ -176,7 +177,7 @@ def _agree_on_tag(engine: TrainingState, tag: str) -> str:
         policy = engine.config.checkpoint.tag_validation
         msg = f"ranks passed different checkpoint tags: {tags}"
         if policy == "FAIL":
-            raise ValueError(f"{msg} (checkpoint.tag_validation is FAIL)")
+            raise ArgumentError(f"{msg} (checkpoint.tag_validation is FAIL)")  # DeepSpeed asserts
         if policy == "WARN" and engine.comm.rank == 0:
             logger.warning("%s; saving under rank 0's tag %r", msg, tags[0])
     return str(tags[0])

@@ -22,7 +22,7 @@ from zeroshard.config import add_config_arguments
 from zeroshard.deepspeed import accelerator, checkpoint, comm, ops, runtime, surface, utils, zero
 from zeroshard.deepspeed.accelerator import get_accelerator
 from zeroshard.deepspeed.distributed import TORCH_DISTRIBUTED_DEFAULT_PORT, init_distributed
-from zeroshard.deepspeed.runtime.config import DeepSpeedConfig
+from zeroshard.deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError
 from zeroshard.deepspeed.runtime.zero.partition_parameters import _mark_stage3_params
 from zeroshard.engine import ZeroshardEngine as DeepSpeedEngine
 from zeroshard.version import __version__ as _zeroshard_version
@@ -31,6 +31,7 @@ surface.install()  # the DeepSpeed modules with no file here: [Note: generated s
 
 __all__ = [
     "DeepSpeedConfig",
+    "DeepSpeedConfigError",
     "DeepSpeedEngine",
     "__version__",
     "accelerator",
@@ -50,6 +51,7 @@ __version_major__, __version_minor__, __version_patch__ = 0, 19, 0
 __version__ = f"{__version_major__}.{__version_minor__}.{__version_patch__}+zeroshard.{_zeroshard_version}"
 __git_hash__ = None
 __git_branch__ = None
+
 
 def initialize(
     args: argparse.Namespace | None = None,

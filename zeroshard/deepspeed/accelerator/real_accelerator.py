@@ -247,7 +247,10 @@ class CPU_Accelerator(DeepSpeedAccelerator):
     _communication_backend_name = "gloo"
 
     def device_count(self) -> int:
-        return 1
+        # As DeepSpeed's CPU accelerator: the processes per node its launcher declares (LOCAL_SIZE), else 1
+        # (DeepSpeed counts NUMA nodes there; zeroshard runs any number of ranks on any CPU).
+        local = os.environ.get("LOCAL_SIZE", "")
+        return int(local) if local.isdigit() and int(local) > 0 else 1
 
     def current_device(self) -> int:
         return 0

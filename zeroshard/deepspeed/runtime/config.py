@@ -7,8 +7,9 @@ from typing import Any
 from zeroshard.config import ZeroshardConfig, load_config
 from zeroshard.deepspeed import surface
 from zeroshard.deepspeed.comm import get_world_size
+from zeroshard.errors import DeepSpeedConfigError
 
-__all__ = ["DeepSpeedConfig"]
+__all__ = ["DeepSpeedConfig", "DeepSpeedConfigError"]
 
 
 def DeepSpeedConfig(

@@ -1,0 +1,70 @@
+"""``deepspeed.init_distributed`` / ``zeroshard.init_distributed`` pass ``init_method``, ``rank``,
+``world_size`` and ``timeout`` on to torch, so a ``file://`` (or ``tcp://``) rendezvous needs no launcher
+variable, as in DeepSpeed (its unit-test harness joins exactly so)."""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import zeroshard
+import zeroshard.deepspeed as deepspeed
+from tests.distributed import run_distributed
+from zeroshard.dist import validate_rank
+
+LAUNCHER = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _rejoin(
+    join: Callable[..., object], rank: int, world_size: int, rendezvous: str
+) -> tuple[int, int, float]:
+    """Leave the harness's group, join again through ``join`` with no launcher variable set."""
+    dist.barrier()
+    dist.destroy_process_group()
+    for name in LAUNCHER:
+        os.environ.pop(name, None)
+    timeout = datetime.timedelta(seconds=45)
+    join("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size, timeout=timeout)
+    total = torch.tensor([float(rank + 1)])
+    dist.all_reduce(total)
+    return dist.get_rank(), dist.get_world_size(), float(total)
+
+
+def rejoin_worker(rank: int, world_size: int, tmp: str) -> list[tuple[int, int, float]]:
+    out = [_rejoin(zeroshard.init_distributed, rank, world_size, os.path.join(tmp, "a"))]
+    out.append(_rejoin(deepspeed.init_distributed, rank, world_size, os.path.join(tmp, "b")))
+    assert os.environ["RANK"] == str(rank)  # the DeepSpeed layer also fills in the launcher variables
+    return out
+
+
+@pytest.mark.timeout(200)
+def test_file_rendezvous_with_rank_and_world_size_and_no_launcher(tmp_path: Path) -> None:
+    results = run_distributed(rejoin_worker, 2, str(tmp_path))
+    for rank, joins in enumerate(results):
+        assert joins == [(rank, 2, 3.0), (rank, 2, 3.0)]
+
+
+def test_rank_and_world_size_are_checked() -> None:
+    validate_rank(-1, -1)
+    validate_rank(1, 2)
+    with pytest.raises(TypeError, match=r"rank='0'.*expected an int"):
+        validate_rank("0", 2)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"world_size=-2"):
+        validate_rank(0, -2)
+    with pytest.raises(ValueError, match=r"rank=2, world_size=2 .*0 <= rank < world_size"):
+        validate_rank(2, 2)
+    with pytest.raises(ValueError, match=r"world_size=0"):
+        zeroshard.init_distributed(world_size=0)
+
+
+def test_without_launcher_url_or_world_size_nothing_is_joined(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in LAUNCHER:
+        monkeypatch.delenv(name, raising=False)
+    assert zeroshard.init_distributed(rank=0) is False
+    assert not dist.is_initialized()
