@@ -104,6 +104,11 @@ class ResumableDataLoader(DataLoader[Any]):
         self._before: deque[tuple[int, int]] = deque(maxlen=max(rewind_limit, 1))
         """(epoch, yielded) before each of the last batches yielded since the loader was built or loaded."""
 
+    def set_rewind_limit(self, limit: int) -> None:
+        """How many batches back :meth:`state_dict` can reach from now on (``engine.set_train_batch_size``
+        changes the accumulation steps); the batches already recorded are kept."""
+        self._before = deque(self._before, maxlen=max(limit, 1))
+
     @property
     def epoch(self) -> int:
         """The epoch whose order the next pass follows (the resumed one after a load)."""

@@ -100,7 +100,8 @@ class Telemetry:
         self._bar = _progress_bar() if progress and rank == 0 else None
         self._bar_loss: float | None = None
         self._comm = comm
-        self._train_batch_size = train_batch_size
+        self.train_batch_size = train_batch_size
+        """Samples per optimizer step over all ranks (``engine.set_train_batch_size`` updates it)."""
         self._timers = Timers(wall_clock_breakdown)
         # Every rank that may have to share its loss keeps it (see [Note: telemetry collectives]).
         self._keeps_loss = bool(steps_per_print) or self._monitored or self._bar is not None
@@ -233,7 +234,7 @@ class Telemetry:
                 grad_norm=grad_norm,
                 skipped_steps=skipped_steps,
                 step_time_s=elapsed,
-                samples_per_s=self._train_batch_size / elapsed if elapsed > 0 else 0.0,
+                samples_per_s=self.train_batch_size / elapsed if elapsed > 0 else 0.0,
                 comm_bytes=comm_bytes,
                 comm_wait_s=comm_wait_s,
                 memory_bytes=memory,
