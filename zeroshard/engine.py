@@ -36,7 +36,7 @@ from zeroshard.core.precision import cast_floating
 from zeroshard.core.stages import StagePlan
 from zeroshard.data import ResumableDataLoader
 from zeroshard.engine_checkpoint import CheckpointMethods
-from zeroshard.engine_surface import DeepSpeedSurface
+from zeroshard.engine_queries import DeepSpeedQueries
 from zeroshard.errors import UsageError
 from zeroshard.nonfinite import loss_scale_floor_error, stop_or_warn
 from zeroshard.offload.setup import Offload
@@ -46,7 +46,7 @@ from zeroshard.zero import TrainedParameters
 logger = logging.getLogger(__name__)
 
 
-class ZeroshardEngine(DeepSpeedSurface, CheckpointMethods):
+class ZeroshardEngine(DeepSpeedQueries, CheckpointMethods):
     """Wraps a model for ZeRO data-parallel training. Build it with :func:`zeroshard.initialize`.
 
     Collective: ``backward``, ``step`` (at the accumulation boundary) and ``memory_breakdown`` is local;

@@ -100,9 +100,16 @@ class DeepSpeedSurface(nn.Module):
             try:
                 return getattr(module, name)
             except AttributeError:
-                raise AttributeError(
-                    f"neither the engine nor its module ({type(module).__name__}) has an attribute {name!r}"
-                ) from None
+                pass
+            # Another DeepSpeedEngine method: refused when called (engine_refused.py), never missing.
+            from zeroshard.engine_refused import refused_method  # lazily: it reads zeroshard.deepspeed
+
+            refused = refused_method(name)
+            if refused is not None:
+                return refused
+            raise AttributeError(
+                f"neither the engine nor its module ({type(module).__name__}) has an attribute {name!r}"
+            ) from None
 
     # -- torch.compile ---------------------------------------------------------------------------------
     def compile(
