@@ -241,6 +241,67 @@ def test_refused_names_import_and_refuse_at_use() -> None:
         subclass(layers=[])
 
 
+@pytest.mark.timeout(240)
+def test_left_out_subtrees_import_at_any_depth_and_refuse_at_use() -> None:
+    """Modules left out of the inventory (inference kernels, sparse attention, other accelerators) still
+    import, at any depth, and each of their public names refuses at use, naming why it was left out."""
+    code = """
+import deepspeed
+from deepspeed.ops.sparse_attention import FixedSparsityConfig, SparseAttentionUtils
+from deepspeed.inference.v2.ragged import DSStateManagerConfig
+import deepspeed.module_inject
+from deepspeed.accelerator.hpu_accelerator import HPU_Accelerator
+class Mine(FixedSparsityConfig):  # subclassing at import works
+    pass
+for use in (lambda: FixedSparsityConfig(num_heads=4), Mine,
+            lambda: SparseAttentionUtils.extend_position_embedding, lambda: DSStateManagerConfig(),
+            lambda: deepspeed.module_inject.replace_transformer_layer(),
+            HPU_Accelerator, lambda: deepspeed.DeepSpeedTransformerLayer(None)):
+    try:
+        use()
+    except NotImplementedError as error:
+        print("refused:", error)
+    else:
+        print("ran")
+try:
+    deepspeed.ops.sparse_attention._private
+except AttributeError:
+    print("private: AttributeError")
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=_alias_env(), capture_output=True, text=True, timeout=200, cwd=ROOT
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.strip().splitlines()
+    assert lines[-1] == "private: AttributeError" and len(lines) == 8, lines
+    assert all(line.startswith("refused: deepspeed.") for line in lines[:7]), lines
+    assert "sparse attention Triton kernels" in lines[0] and "inference engines" in lines[3], lines
+    assert "fused transformer-layer CUDA kernels" in lines[6] and "hpu accelerator" in lines[5], lines
+
+
+@pytest.mark.timeout(240)
+def test_every_deepspeed_name_our_scripts_use_resolves(tmp_path: Path) -> None:
+    """tools/deepspeed_imports_check.py over the DeepSpeed-style scripts of tests/: no name is missing."""
+    out = tmp_path / "names.json"
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "tools" / "deepspeed_imports_check.py"),
+            str(ROOT / "tests" / "ds_scripts"),
+            str(ROOT / "tests" / "integration_scripts"),
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=200,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    kinds = [kind for kind, _ in json.loads(out.read_text()).values()]
+    assert "missing" not in kinds and kinds.count("implemented") > 10, done.stdout
+
+
 def test_values_enums_exceptions_and_identity_are_deepspeeds() -> None:
     import torch
 

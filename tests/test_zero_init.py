@@ -5,6 +5,10 @@ code reads off the placeholders: DeepSpeed's ``ds_*`` attributes, with the value
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -319,3 +323,27 @@ def test_init_placeholders_show_deepspeeds_attributes(world_size: int) -> None:
         run_distributed(placeholder_worker, world_size)
         == [["init", "gathered", "initialize", "train", "outside Init", "Init(module=...)"]] * world_size
     )
+
+
+JOINS = """
+import torch.distributed as dist
+from zeroshard.zero import Init
+
+assert not dist.is_initialized()
+with Init():
+    assert dist.is_initialized() and dist.get_world_size() == 1
+print("joined")
+"""
+
+
+@pytest.mark.timeout(120)
+def test_init_joins_the_launchers_process_group(tmp_path: Path) -> None:
+    """As DeepSpeed's: ``zero.Init()`` before ``initialize`` joins the group the launcher variables describe
+    (here one process), so the model is partitioned over it; without them it builds for world size 1."""
+    env = {k: v for k, v in os.environ.items() if k not in ("ZEROSHARD_AS_DEEPSPEED",)}
+    # MASTER_PORT 0: the one process's store binds a free port (no port to race for).
+    env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
+    done = subprocess.run(
+        [sys.executable, "-c", JOINS], env=env, capture_output=True, text=True, timeout=100, cwd=tmp_path
+    )
+    assert done.returncode == 0 and "joined" in done.stdout, done.stderr[-2000:]

@@ -83,6 +83,20 @@ def test_state_dicts_and_files_from_both_layouts(tmp_path: Path) -> None:
         index = json.loads((sharded_bin / "pytorch_model.bin.index.json").read_text())
         assert sorted(set(index["weight_map"].values())) == names and len(names) > 1
 
+    # The file helpers Lightning's convert_zero_checkpoint_to_fp32_state_dict reads client state through.
+    tag = tmp_path / "deepspeed" / (tmp_path / "deepspeed" / "latest").read_text().strip()
+    optim = z2f.get_optim_files(tag)
+    # fp32 training: no bf16_ prefix
+    assert [Path(f).name for f in optim] == [f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)]
+    stage = torch.load(optim[0], map_location="cpu", weights_only=False)["optimizer_state_dict"]["zero_stage"]
+    model_file = z2f.get_model_state_file(tag, stage)
+    assert Path(model_file).name == "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    assert model_file in z2f.get_model_state_files(tag)
+    with pytest.raises(FileNotFoundError, match="can't find model states file"):
+        z2f.get_model_state_file(tag, 1)
+    with pytest.raises(FileNotFoundError, match=r"_optim_states\.pt files"):
+        z2f.get_optim_files(tmp_path / "zeroshard")
+
 
 def test_missing_latest_and_missing_tag_are_deepspeeds_errors(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="no 'latest' file"):

@@ -19,8 +19,11 @@ for each module every public name it defines:
 - names listed in the module's ``__all__``, whatever they are.
 
 Modules that do not import in this environment even in DeepSpeed are recorded under ``unimportable`` with
-the error. The output is ``zeroshard/deepspeed/inventory.json``: ``zeroshard/deepspeed/surface.py`` reads
-it to provide every listed name, and ``tests/test_deepspeed_surface.py`` checks the tree against it.
+the error. ``out_of_scope`` maps each left-out prefix (a trailing ``.``: the submodules only) to its
+reason; ``zeroshard.deepspeed`` still imports every module under them and refuses their names at use.
+
+The output is ``zeroshard/deepspeed/inventory.json``: ``zeroshard/deepspeed/surface.py`` reads it to
+provide every listed name, and ``tests/test_deepspeed_surface.py`` checks the tree against it.
 """
 
 from __future__ import annotations
@@ -199,14 +202,21 @@ def _module_entry(module: Any) -> dict[str, Any]:
     return {"package": hasattr(module, "__path__"), "all": sorted(listed) or None, "names": names}
 
 
-def _walk(package: Any) -> list[str]:
+def _walk(package: Any) -> tuple[list[str], dict[str, str]]:
+    """The public modules to record, and the accelerator back-ends left out (each named with its reason,
+    since no prefix of ``OUT_OF_SCOPE`` covers them)."""
     found = [package.__name__]
+    backends: dict[str, str] = {}
     for info in pkgutil.walk_packages(package.__path__, package.__name__ + ".", onerror=lambda _: None):
         parts = info.name.split(".")
-        if any(p.startswith("_") for p in parts) or _scoped_out(info.name):
+        if any(p.startswith("_") for p in parts):
             continue
-        found.append(info.name)
-    return sorted(set(found))
+        reason = _scoped_out(info.name)
+        if reason is None:
+            found.append(info.name)
+        elif not any(info.name == p or info.name.startswith(p) for p in OUT_OF_SCOPE):
+            backends[info.name] = reason
+    return sorted(set(found)), dict(sorted(backends.items()))
 
 
 def build() -> dict[str, Any]:
@@ -215,7 +225,8 @@ def build() -> dict[str, Any]:
 
     modules: dict[str, Any] = {}
     unimportable: dict[str, str] = {}
-    for name in _walk(deepspeed):
+    names, backends = _walk(deepspeed)
+    for name in names:
         try:
             module = importlib.import_module(name)
         except BaseException as error:  # a module may raise anything (SystemExit, OSError) when imported
@@ -225,7 +236,7 @@ def build() -> dict[str, Any]:
     return {
         "deepspeed_version": deepspeed.__version__,
         "generated_by": "tools/deepspeed_inventory.py",
-        "out_of_scope": OUT_OF_SCOPE,
+        "out_of_scope": {**OUT_OF_SCOPE, **backends},
         "unimportable": unimportable,
         "modules": modules,
     }

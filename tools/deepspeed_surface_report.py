@@ -125,7 +125,6 @@ def render(classes: dict[tuple[str, str], tuple[str, str]]) -> str:
         f"| `{prefix.rstrip('.')}`{'.*' if prefix.endswith('.') else ''} | {why} |"
         for prefix, why in inventory["out_of_scope"].items()
     ]
-    lines.append("| `deepspeed.accelerator.*_accelerator` but cpu, cuda | other accelerator back-ends |")
     return "\n".join(lines) + "\n"
 
 

@@ -27,6 +27,7 @@ from zeroshard.core.layout import FlatLayout
 from zeroshard.core.liveness import MONITOR
 from zeroshard.core.marks import register_external_parameter
 from zeroshard.core.owners import OwnerRegistry, ParameterMap
+from zeroshard.dist import init_distributed
 from zeroshard.offload.malloc import keep_large_blocks_mapped, release_free_memory
 
 logger = logging.getLogger(__name__)
@@ -245,6 +246,10 @@ class Init:
             )
         self.enabled = enabled
         self.dtype = dtype
+        if enabled and data_parallel_group is None:
+            # As DeepSpeed's Init: join the process group the launcher describes (a no-op without one, or
+            # when one exists), so that a model built before initialize() is partitioned over it.
+            init_distributed()
         self.comm = Comm(data_parallel_group)
         self._handle: Any = None
         # This context's partitioned parameters; listed in _INITS until initialize() takes them all.

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
@@ -22,6 +23,7 @@ __all__ = [
     "refuse",
     "refused_class",
     "refused_function",
+    "refusing_getattr",
     "signature_of",
 ]
 
@@ -120,10 +122,13 @@ def signature_of(params: Sequence[Sequence[Any]] | None) -> inspect.Signature | 
     )
 
 
-def refused_function(module: str, ds_module: str, name: str, entry: dict[str, Any]) -> Callable[..., Any]:
-    """DeepSpeed function ``ds_module.name`` as module ``module`` provides it: refused at use."""
+def refused_function(
+    module: str, ds_module: str, name: str, entry: dict[str, Any], feature: str | None = None
+) -> Callable[..., Any]:
+    """DeepSpeed function ``ds_module.name`` as module ``module`` provides it: refused at use, naming
+    ``feature`` (by default the feature of ``ds_module``)."""
     sig = signature_of(entry.get("signature"))
-    feature = feature_of(ds_module)
+    feature = feature or feature_of(ds_module)
 
     def refused(*args: Any, **kwargs: Any) -> Any:
         if sig is not None:
@@ -139,18 +144,24 @@ def refused_function(module: str, ds_module: str, name: str, entry: dict[str, An
 
 
 class _RefusedMeta(type):
-    """Metaclass of refused classes: DeepSpeed's public methods read on the class itself are refused too."""
+    """Metaclass of refused classes: DeepSpeed's public methods read on the class itself (or on a subclass)
+    are refused too; for a class the inventory does not describe (``methods`` None), every public name."""
 
     def __getattr__(cls, attr: str) -> Any:
-        methods = cls.__dict__.get("_deepspeed_methods", {})
-        if attr in methods:
-            refuse(f"{cls.__dict__['_deepspeed_name']}.{attr}", cls.__dict__["_deepspeed_feature"])
+        refused = next((k.__dict__ for k in cls.__mro__ if "_deepspeed_name" in k.__dict__), None)
+        if refused is not None and not attr.startswith("_"):
+            methods = refused["_deepspeed_methods"]
+            if methods is None or attr in methods:
+                refuse(f"{refused['_deepspeed_name']}.{attr}", refused["_deepspeed_feature"])
         raise AttributeError(attr)
 
 
-def refused_class(module: str, ds_module: str, name: str, entry: dict[str, Any]) -> type:
-    """DeepSpeed class ``ds_module.name`` as module ``module`` provides it: constructing it is refused."""
-    feature = feature_of(ds_module)
+def refused_class(
+    module: str, ds_module: str, name: str, entry: dict[str, Any], feature: str | None = None
+) -> type:
+    """DeepSpeed class ``ds_module.name`` as module ``module`` provides it: constructing it is refused,
+    naming ``feature`` (by default the feature of ``ds_module``)."""
+    feature = feature or feature_of(ds_module)
     qualified = f"{ds_module}.{name}"
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
@@ -167,7 +178,7 @@ def refused_class(module: str, ds_module: str, name: str, entry: dict[str, Any])
         MARK: "refused",
         "_deepspeed_name": qualified,
         "_deepspeed_feature": feature,
-        "_deepspeed_methods": entry.get("methods") or {},
+        "_deepspeed_methods": entry.get("methods", {}),
     }
     return _RefusedMeta(name, (), namespace)
 
@@ -192,3 +203,18 @@ class RefusedObject:
 
 
 RefusedObject.__zeroshard_surface__ = "refused"  # type: ignore[attr-defined]
+
+
+def refusing_getattr(module: str, ds_module: str, feature: str) -> Callable[[str], Any]:
+    """A module ``__getattr__`` for a DeepSpeed module left out of the inventory: any public name is a
+    refused class (the most general stand-in: calling, constructing or reading a DeepSpeed attribute of it
+    refuses; subclassing it at import works), made on first access and cached in the module."""
+
+    def __getattr__(name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(f"module {ds_module!r} has no attribute {name!r}")
+        value = refused_class(module, ds_module, name, {"signature": None, "methods": None}, feature)
+        setattr(sys.modules[module], name, value)
+        return value
+
+    return __getattr__

@@ -9,6 +9,8 @@ public module of DeepSpeed and every public name each defines. ``zeroshard.deeps
   ``__getattr__ = surface.fallback(__name__)``, so a DeepSpeed name it does not define comes from here.
 - A DeepSpeed module with no file here is made by :class:`SurfaceFinder` (appended to ``sys.meta_path``,
   so files always win): an empty module whose ``__getattr__`` is the same fallback.
+- A module of a subtree left out of the inventory (``out_of_scope`` in it: inference kernels, compiled
+  ops) imports too, at any depth; every public name of it is a refused class.
 
 The fallback builds a name on first access, by its kind in the inventory, and caches it in the module:
 
@@ -42,7 +44,14 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, TypeVar
 
-from zeroshard.deepspeed.refusals import MARK, RefusedObject, feature_of, refused_class, refused_function
+from zeroshard.deepspeed.refusals import (
+    MARK,
+    RefusedObject,
+    feature_of,
+    refused_class,
+    refused_function,
+    refusing_getattr,
+)
 
 __all__ = [
     "PACKAGE",
@@ -55,6 +64,7 @@ __all__ = [
     "inventory",
     "kind_of",
     "our_name",
+    "scoped_out",
 ]
 
 PACKAGE = "zeroshard.deepspeed"
@@ -194,10 +204,20 @@ def _make(module: str, name: str, entry: dict[str, Any]) -> Any:
     if kind == "exception":
         return _exception(module, name, entry)
     if kind == "class":
-        return refused_class(module, ds_module, name, entry)
+        return refused_class(module, ds_module, name, entry, scoped_out(defined_in or ds_module))
     if kind == "function":
-        return refused_function(module, ds_module, name, entry)
+        return refused_function(module, ds_module, name, entry, scoped_out(defined_in or ds_module))
     return RefusedObject(f"{ds_module}.{name}", feature_of(ds_module))
+
+
+def scoped_out(ds_module: str) -> str | None:
+    """Why DeepSpeed module ``ds_module`` is left out of the inventory, or ``None`` when it is not."""
+    for prefix, reason in inventory()["out_of_scope"].items():
+        if prefix.endswith(".") and ds_module.startswith(prefix):  # the submodules, not the package
+            return str(reason)
+        if ds_module == prefix or ds_module.startswith(prefix + "."):
+            return str(reason)
+    return None
 
 
 def fallback(module: str) -> Callable[[str], Any]:
@@ -210,7 +230,7 @@ def fallback(module: str) -> Callable[[str], Any]:
         entry = modules.get(ds_module, {}).get("names", {}).get(name)
         if entry is not None:
             value = _make(module, name, entry)
-        elif f"{ds_module}.{name}" in modules:
+        elif f"{ds_module}.{name}" in modules or scoped_out(f"{ds_module}.{name}"):
             value = importlib.import_module(f"{module}.{name}")
         else:
             raise AttributeError(f"module {ds_module!r} ({module}) has no attribute {name!r}")
@@ -240,6 +260,23 @@ class _SurfaceLoader(importlib.abc.Loader):
         setattr(module, MARK, "generated")
 
 
+class _LeftOutLoader(importlib.abc.Loader):
+    """A module of a subtree left out of the inventory (inference kernels, ...): it imports, and each of
+    its names is refused at use (the inventory does not know them, so they are all refused classes)."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return None
+
+    def exec_module(self, module: ModuleType) -> None:
+        ds_module = deepspeed_name(module.__name__)
+        module.__doc__ = f"DeepSpeed's ``{ds_module}``, left out of zeroshard: {self.reason}."
+        module.__getattr__ = refusing_getattr(module.__name__, ds_module, self.reason)  # type: ignore[method-assign]
+        setattr(module, MARK, "left out")
+
+
 class SurfaceFinder(importlib.abc.MetaPathFinder):
     """Makes ``zeroshard.deepspeed.X`` for a DeepSpeed module ``deepspeed.X`` with no file in this tree."""
 
@@ -248,10 +285,16 @@ class SurfaceFinder(importlib.abc.MetaPathFinder):
     ) -> importlib.machinery.ModuleSpec | None:
         if not fullname.startswith(PACKAGE + "."):
             return None
-        entry = inventory()["modules"].get(deepspeed_name(fullname))
-        if entry is None:
+        ds_module = deepspeed_name(fullname)
+        entry = inventory()["modules"].get(ds_module)
+        if entry is not None:
+            return importlib.util.spec_from_loader(
+                fullname, _SurfaceLoader(), is_package=bool(entry["package"])
+            )
+        reason = scoped_out(ds_module)
+        if reason is None:
             return None
-        return importlib.util.spec_from_loader(fullname, _SurfaceLoader(), is_package=bool(entry["package"]))
+        return importlib.util.spec_from_loader(fullname, _LeftOutLoader(reason), is_package=True)
 
 
 def install() -> None:

@@ -24,9 +24,11 @@ DeepSpeed's command-line arguments.
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import logging
 import os
+import re
 from collections.abc import Iterator
 
 import torch
@@ -43,7 +45,11 @@ from zeroshard.deepspeed import surface
 __all__ = [
     "convert_zero_checkpoint_to_fp32_state_dict",
     "convert_zero_checkpoint_to_state_dict",
+    "get_checkpoint_files",
     "get_fp32_state_dict_from_zero_checkpoint",
+    "get_model_state_file",
+    "get_model_state_files",
+    "get_optim_files",
     "load_state_dict_from_zero_checkpoint",
 ]
 
@@ -51,6 +57,49 @@ logger = logging.getLogger(__name__)
 
 PICKLE_NAME = "pytorch_model.bin"
 PICKLE_INDEX_NAME = "pytorch_model.bin.index.json"
+
+
+# -- the files of a DeepSpeed-format tag directory (Lightning reads its client state through these) --------
+
+
+def get_model_state_file(checkpoint_dir: str | os.PathLike[str], zero_stage: int) -> str:
+    """The path of rank 0's model-states file in DeepSpeed tag directory ``checkpoint_dir`` (stages 0-2:
+    ``mp_rank_00_model_states.pt``, stage 3: ``zero_pp_rank_0_mp_rank_00_model_states.pt``);
+    ``FileNotFoundError`` when the directory or the file does not exist (a zeroshard-format checkpoint has
+    no such file: save with ``format="deepspeed"`` for tools that read it)."""
+    if not os.path.isdir(checkpoint_dir):
+        raise FileNotFoundError(f"Directory '{checkpoint_dir}' doesn't exist")
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"get_model_state_file(zero_stage={zero_stage!r}): a ZeRO stage is 0, 1, 2 or 3")
+    name = "mp_rank_00_model_states.pt" if zero_stage <= 2 else "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    path = os.path.join(checkpoint_dir, name)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"can't find model states file at '{path}'")
+    return path
+
+
+def _natural_key(text: str) -> list[int | str]:
+    """Sort key that orders embedded numbers by value (``rank_2`` before ``rank_10``)."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", text)]
+
+
+def get_checkpoint_files(checkpoint_dir: str | os.PathLike[str], glob_pattern: str) -> list[str]:
+    """The files of ``checkpoint_dir`` matching ``glob_pattern``, in natural order; ``FileNotFoundError``
+    when there is none."""
+    files = sorted(glob.glob(os.path.join(checkpoint_dir, glob_pattern)), key=_natural_key)
+    if not files:
+        raise FileNotFoundError(f"can't find {glob_pattern} files in directory '{checkpoint_dir}'")
+    return files
+
+
+def get_optim_files(checkpoint_dir: str | os.PathLike[str]) -> list[str]:
+    """Every rank's optimizer-states file of a DeepSpeed tag directory, rank order."""
+    return get_checkpoint_files(checkpoint_dir, "*_optim_states.pt")
+
+
+def get_model_state_files(checkpoint_dir: str | os.PathLike[str]) -> list[str]:
+    """Every model-states file of a DeepSpeed tag directory, rank order."""
+    return get_checkpoint_files(checkpoint_dir, "*_model_states.pt")
 
 
 def _open(checkpoint_dir: str | os.PathLike[str], tag: str | None) -> AnyReader:
