@@ -176,7 +176,8 @@ class _Net(nn.Module):
 # Observed from DeepSpeed 0.19.8 (CPU, gloo, fp32) for _Net built under zero.Init: name -> (ds_shape, ds_id
 # counted from the model's first, partition_numel() at W=1 and at W=2). ds_tensor is 1-D, of the parameter's
 # dtype, partition_numel() elements; rank r holds elements [r * n, (r + 1) * n). Unchanged by initialize in
-# DeepSpeed. "gain" (the outermost module's own) DeepSpeed numbers last, as zeroshard does at initialize.
+# DeepSpeed. "gain" (the outermost module's own) DeepSpeed numbers last: it is cut when its constructor ends,
+# zeroshard cuts it when the Init block ends.
 DS_INIT = {
     "first.weight": ((15, 7), 0, 105, 53),
     "first.bias": ((15,), 1, 15, 8),
@@ -227,7 +228,9 @@ def placeholder_worker(rank: int, world_size: int) -> list[str]:
         assert not shard.requires_grad and shard.numel() == size == p.partition_numel(), name
         flat = want[name].reshape(-1)[rank * size : (rank + 1) * size]
         assert torch.equal(shard[: flat.numel()], flat), f"{name}: ds_tensor is not this rank's slice"
-    assert not hasattr(params["gain"], "ds_id"), "the outermost module's own parameter waits for initialize"
+    gain = params["gain"]
+    assert gain.shape == (0,) and gain.ds_shape == (3,) and gain.ds_id == base + DS_GAIN_ID, "outermost's own"
+    assert gain.ds_tensor.numel() == gain.partition_numel() == (3, 2)[world_size - 1]
     done.append("init")
 
     # GatheredParameters: AVAILABLE and full inside, placeholders again after; modifier_rank's writes reach
@@ -314,6 +317,18 @@ def placeholder_worker(rank: int, world_size: int) -> list[str]:
         assert torch.equal(built.weight.detach(), whole)
     assert built.weight.ds_id == last + 3
     done.append("Init(module=...)")
+
+    # A module built on its own inside the block (never attached) is cut when the block ends, as DeepSpeed
+    # cuts it when its constructor ends; one built after the block is untouched.
+    with deepspeed.zero.Init():
+        lone = nn.Linear(6, 3)
+    after = nn.Linear(6, 3)
+    assert lone.weight.shape == (0,) and lone.weight.ds_status == ZeroParamStatus.NOT_AVAILABLE
+    assert (lone.weight.ds_id, lone.bias.ds_id) == (last + 5, last + 6)  # built.bias took last + 4
+    assert not hasattr(after.weight, "ds_status") and after.weight.shape == (3, 6)
+    with deepspeed.zero.GatheredParameters(lone.weight, modifier_rank=0):
+        assert lone.weight.ds_status == ZeroParamStatus.AVAILABLE and lone.weight.shape == (3, 6)
+    done.append("module on its own")
     return done
 
 
@@ -321,7 +336,18 @@ def placeholder_worker(rank: int, world_size: int) -> list[str]:
 def test_init_placeholders_show_deepspeeds_attributes(world_size: int) -> None:
     assert (
         run_distributed(placeholder_worker, world_size)
-        == [["init", "gathered", "initialize", "train", "outside Init", "Init(module=...)"]] * world_size
+        == [
+            [
+                "init",
+                "gathered",
+                "initialize",
+                "train",
+                "outside Init",
+                "Init(module=...)",
+                "module on its own",
+            ]
+        ]
+        * world_size
     )
 
 

@@ -10,6 +10,7 @@ import contextlib
 import json
 import logging
 import os
+import weakref
 from collections.abc import Iterable, Sequence
 from types import TracebackType
 from typing import Any
@@ -184,9 +185,9 @@ class Init:
     Every rank builds each submodule in full (with the same seed every rank gets the same values, equal to
     building the whole model in one process) and keeps 1/W of it; the full values exist for one submodule
     at a time. ``initialize`` then gathers one unit at a time to lay out the shards it trains. Parameters
-    owned directly by the outermost model are not partitioned until ``initialize``, nor are those already
-    frozen when their submodule is attached (zeroshard keeps frozen parameters whole); neither kind shows
-    DeepSpeed's attributes before ``initialize``.
+    of modules never attached to a parent (the outermost model's own, a module built on its own) are cut
+    when the block ends. Parameters already frozen when their submodule is attached are not partitioned
+    (zeroshard keeps frozen parameters whole) and show DeepSpeed's attributes only after ``initialize``.
 
     To change parameters once their submodule is attached (loading a checkpoint, a custom init), do it inside
     ``GatheredParameters(params, modifier_rank=0)``, before or after ``initialize``: the parameters are full
@@ -272,6 +273,9 @@ class Init:
                 keep_large_blocks_mapped()
             register = nn.modules.module.register_module_module_registration_hook
             self._handle = register(self._on_child)
+            self._built: list[tuple[weakref.ref[nn.Module], str]] = []
+            watch = nn.modules.module.register_module_parameter_registration_hook
+            self._param_handle = watch(self._on_parameter)
             self._plain_apply = nn.Module.apply
             nn.Module.apply = _gathering_apply(self._plain_apply)  # type: ignore[method-assign]
         return self
@@ -282,9 +286,27 @@ class Init:
             self._api = None
         if self._handle is not None:
             self._handle.remove()
+            self._param_handle.remove()
             self._handle = None
             nn.Module.apply = self._plain_apply  # type: ignore[method-assign]
+            if exc[0] is None:
+                self._partition_unattached()
             release_free_memory()
+
+    def _on_parameter(self, module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None:
+            self._built.append((weakref.ref(module), name))
+
+    def _partition_unattached(self) -> None:
+        """Partition the parameters built in the block that no attachment partitioned: those of modules
+        never attached to a parent (the outermost model's own, a module built on its own), as DeepSpeed's
+        Init partitions every module at the end of its constructor. In the order they were built."""
+        for ref, name in self._built:
+            module = ref()
+            param = module._parameters.get(name) if module is not None else None
+            if param is not None and _partition_entry(param) is None and param.requires_grad:
+                self._partition(param)
+        self._built = []
 
     def _on_child(self, parent: nn.Module, name: str, child: nn.Module | None) -> None:
         if child is None:
