@@ -13,7 +13,7 @@ for each module every public name it defines:
   class, the signature of its constructor, its base classes, its public methods with their signatures and,
   for an ``Enum``, its members;
 - constants: values built of ``None``, ``bool``, ``int``, ``float``, ``str`` and lists, tuples and dicts of
-  them (kept as values), and ``torch.dtype`` values;
+  them (kept as values; a path into DeepSpeed's package, relative to it), and ``torch.dtype`` values;
 - any other object (a logger, a module-level instance), by its type;
 - in a package, another DeepSpeed module bound under a name that is not its own (``deepspeed.checkpointing``);
 - names listed in the module's ``__all__``, whatever they are.
@@ -172,6 +172,11 @@ def _describe(name: str, value: Any, listed: bool, owner: Any) -> dict[str, Any]
         entry = {"kind": "function", "defined_in": value.__module__, "signature": _signature(value)}
         return {**entry, "qualname": getattr(value, "__qualname__", name)}
     if _plain_value(value):
+        home = os.path.dirname(importlib.import_module("deepspeed").__file__ or "") + os.sep
+        if isinstance(value, str) and value.startswith(home):
+            # A file of DeepSpeed's package (autotuning's templates): kept relative to the package, so the
+            # inventory does not depend on where DeepSpeed is installed.
+            return {"kind": "package_path", "value": value[len(home) :]}
         if isinstance(value, tuple):
             return {"kind": "constant", "value": list(value), "type": "tuple"}
         return {"kind": "constant", "value": value}

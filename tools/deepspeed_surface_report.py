@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 OUTPUT = ROOT / "docs" / "deepspeed-surface.md"
 PORTING = ROOT / "docs" / "porting.md"
 BLOCK = ("<!-- surface-counts: written by `make deepspeed-surface` -->\n", "<!-- /surface-counts -->\n")
-DATA_KINDS = ("constant", "dtype", "enum", "enum_member", "exception", "module")
+DATA_KINDS = ("constant", "package_path", "dtype", "enum", "enum_member", "exception", "module")
 
 
 def classify() -> dict[tuple[str, str], tuple[str, str]]:

@@ -191,6 +191,8 @@ def _make(module: str, name: str, entry: dict[str, Any]) -> Any:
             return _resolve(defined_in, name)
     if kind == "module":
         return importlib.import_module(our_name(entry["target"]))
+    if kind == "package_path":  # the same file's place in this package (deepspeed.__file__'s directory)
+        return str(Path(__file__).parent / entry["value"])
     if kind == "constant":
         value = entry["value"]
         return tuple(value) if entry.get("type") == "tuple" else value
