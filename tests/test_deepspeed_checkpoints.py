@@ -365,7 +365,7 @@ def test_zeroshard_checkpoint_resumes_in_deepspeed(ds_dir: Path, tmp_path: Path)
 def test_deepspeed_written_checkpoint_reads_back(ds_dir: Path, tmp_path: Path) -> None:
     """DeepSpeed -> DeepSpeed at another world size (zeroshard as the offline resharder): every master and
     moment equal to the source's, and zeroshard reads its own output."""
-    from zeroshard.checkpoint.deepspeed_writer import write_deepspeed_checkpoint
+    from zeroshard.checkpoint.deepspeed.writer import write_deepspeed_checkpoint
 
     for name, stage, _ in ds.CASES:
         for world_size, out_stage in [(3, max(stage, 1)), (1, 3 if stage != 3 else 1)]:

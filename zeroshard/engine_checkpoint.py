@@ -49,7 +49,7 @@ class CheckpointMethods:
         keep_last: int | None = None,
     ) -> str:
         """Sharded, atomic checkpoint (see zeroshard.checkpoint.save_checkpoint); ``format="deepspeed"``
-        writes DeepSpeed's ZeRO layout instead (see checkpoint/deepspeed_writer.py). ``keep_last=N``
+        writes DeepSpeed's ZeRO layout instead (see checkpoint/deepspeed/writer.py). ``keep_last=N``
         deletes the oldest checkpoints of ``save_dir`` beyond the newest N (zeroshard format). Collective.
 
         Raises:
@@ -60,7 +60,7 @@ class CheckpointMethods:
                 ``ValueError`` and DeepSpeed's ``AssertionError``).
         """
         from zeroshard.checkpoint import save_checkpoint
-        from zeroshard.checkpoint.deepspeed_writer import save_as_deepspeed
+        from zeroshard.checkpoint.deepspeed.writer import save_as_deepspeed
 
         if format not in ("zeroshard", "deepspeed"):
             raise ValueError(f"save_checkpoint(format={format!r}): expected 'zeroshard' or 'deepspeed'")

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from zeroshard.checkpoint.common import module_names
-from zeroshard.checkpoint.deepspeed_format import AnyReader, open_reader
+from zeroshard.checkpoint.deepspeed.reader import AnyReader, open_reader
 from zeroshard.checkpoint.errors import CheckpointError
 from zeroshard.checkpoint.export import DEFAULT_MAX_SHARD_SIZE, write_consolidated
 from zeroshard.checkpoint.format import resolve
@@ -154,12 +154,12 @@ def convert_to_deepspeed(
 ) -> str:
     """Write a checkpoint (zeroshard's or DeepSpeed's) as a DeepSpeed ZeRO checkpoint in ``out_dir``, for
     ``world_size`` ranks at ``stage`` (default: those it was saved with), one rank at a time; see
-    deepspeed_writer.py. Returns the checkpoint directory written (``out_dir/<tag>``).
+    deepspeed/writer.py. Returns the checkpoint directory written (``out_dir/<tag>``).
 
     Raises:
         ValueError: no stage given for a stage-0 checkpoint, or ``world_size``/``stage`` out of range.
     """
-    from zeroshard.checkpoint.deepspeed_writer import write_deepspeed_checkpoint
+    from zeroshard.checkpoint.deepspeed.writer import write_deepspeed_checkpoint
 
     with open_checkpoint(ckpt_dir, tag) as reader:
         saved_stage = int(reader.meta.get("stage", 0))
@@ -180,13 +180,13 @@ def convert_to_zeroshard(
     ckpt_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], tag: str | None = None
 ) -> str:
     """Rewrite a DeepSpeed checkpoint in zeroshard's format (checksummed, no pickles) in ``out_dir``, one
-    DeepSpeed rank file in memory at a time; see from_deepspeed.py. Returns the checkpoint directory.
+    DeepSpeed rank file in memory at a time; see deepspeed/to_zeroshard.py. Returns the checkpoint directory.
 
     Raises:
         CheckpointError: ``ckpt_dir`` is not a DeepSpeed checkpoint (a zeroshard one needs no conversion).
     """
-    from zeroshard.checkpoint.deepspeed_format import DeepSpeedReader
-    from zeroshard.checkpoint.from_deepspeed import write_zeroshard_checkpoint
+    from zeroshard.checkpoint.deepspeed.reader import DeepSpeedReader
+    from zeroshard.checkpoint.deepspeed.to_zeroshard import write_zeroshard_checkpoint
 
     with open_checkpoint(ckpt_dir, tag) as reader:
         if not isinstance(reader, DeepSpeedReader):

@@ -26,7 +26,7 @@ from zeroshard.checkpoint.common import (
     param_shape,
     untrained_state,
 )
-from zeroshard.checkpoint.deepspeed_format import AnyReader, open_reader
+from zeroshard.checkpoint.deepspeed.reader import AnyReader, open_reader
 from zeroshard.checkpoint.errors import CheckpointError
 from zeroshard.checkpoint.format import EXTRA_FILE, confined, resolve, tag_exists
 from zeroshard.core.flat_param import FlatUnit, OptimizerSlice

@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass
 
 from zeroshard.checkpoint.convert import open_checkpoint
-from zeroshard.checkpoint.deepspeed_format import DeepSpeedReader
+from zeroshard.checkpoint.deepspeed.reader import DeepSpeedReader
 from zeroshard.checkpoint.errors import CheckpointError
 from zeroshard.checkpoint.format import range_key
 from zeroshard.checkpoint.reader import VALUE, VECTOR

@@ -3,7 +3,7 @@
 DeepSpeed's module of this name (also copied into each of its checkpoints as ``zero_to_fp32.py``) rebuilds the
 fp32 master weights from the per-rank files without a process group. Here the same functions read through
 zeroshard's offline reader (:mod:`zeroshard.checkpoint.convert`), which opens zeroshard's checkpoints and
-DeepSpeed's ZeRO layout alike (stages 0 to 3, written at any world size; checkpoint/deepspeed_format.py).
+DeepSpeed's ZeRO layout alike (stages 0 to 3, written at any world size; checkpoint/deepspeed/reader.py).
 
 The state dict holds the module's parameters (trained ones from the fp32 masters, frozen ones as saved)
 and its buffers, under the module's names; tied names map to one tensor. Differences from DeepSpeed:
@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from zeroshard.checkpoint.convert import DTYPES
-from zeroshard.checkpoint.deepspeed_format import AnyReader, open_reader
+from zeroshard.checkpoint.deepspeed.reader import AnyReader, open_reader
 from zeroshard.checkpoint.errors import CheckpointError
 from zeroshard.checkpoint.export import DEFAULT_MAX_SHARD_SIZE, parse_size, split_files, write_consolidated
 from zeroshard.checkpoint.format import resolve

@@ -1,6 +1,6 @@
 """Where each parameter's elements sit in a DeepSpeed checkpoint's files: the index DeepSpeedReader reads by.
 
-See deepspeed_format.py [Note: DeepSpeed checkpoint layout] for the layouts. The result, :class:`Index`,
+See deepspeed/reader.py [Note: DeepSpeed checkpoint layout] for the layouts. The result, :class:`Index`,
 lists for every trained parameter the ranges of its flattened elements each file holds, where in which
 flat tensor, and with which optimizer states; its invariant (checked) is that the ranges tile every
 parameter exactly.

@@ -4,7 +4,7 @@
 checksummed, pickle-free, and readable without ever opening DeepSpeed's pickles again. The saved ranges
 are DeepSpeed's own partitions (each DeepSpeed rank file becomes one shard file holding the same
 elements), so memory holds one rank file's tensors at a time; zeroshard reshards them on load like any of
-its checkpoints (format.py [Note: checkpoint format]).
+its checkpoints (checkpoint/format.py [Note: checkpoint format]).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from zeroshard.checkpoint.deepspeed_format import DeepSpeedReader
+from zeroshard.checkpoint.deepspeed.reader import DeepSpeedReader
 from zeroshard.checkpoint.errors import CheckpointError
 from zeroshard.checkpoint.format import (
     FORMAT,

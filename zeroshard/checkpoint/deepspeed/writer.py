@@ -1,6 +1,6 @@
 """The way back: any checkpoint zeroshard reads, written in DeepSpeed's ZeRO layout for a chosen world size.
 
-The output is what DeepSpeed 0.19.8's ``engine.save_checkpoint`` writes (deepspeed_format.py
+The output is what DeepSpeed 0.19.8's ``engine.save_checkpoint`` writes (deepspeed/reader.py
 [Note: DeepSpeed checkpoint layout]), so DeepSpeed's ``load_checkpoint`` at that world size and stage, and
 its ``zero_to_fp32.py``, read it. DeepSpeed rebuilds its flat groups from the model it is given: the file
 must list each param group's parameters in the order DeepSpeed's optimizer holds them, which is the order
@@ -10,7 +10,7 @@ each saved param group's own order (zeroshard records it), else the module's par
 Written one rank at a time: memory holds one rank's flat partition (and its optimizer state), never the
 whole model's optimizer state. DeepSpeed's pickled classes (its loss scaler; the ZeRO stage enum is
 written as a plain int) are written by name through a pickler that never imports DeepSpeed
-(``deepspeed_pickle.save_pickle``).
+(``pickles.save_pickle``).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from zeroshard.checkpoint.deepspeed_format import MODEL_FILE, AnyReader, DeepSpeedReader
-from zeroshard.checkpoint.deepspeed_pickle import deepspeed_loss_scaler, save_pickle
+from zeroshard.checkpoint.deepspeed.pickles import deepspeed_loss_scaler, save_pickle
+from zeroshard.checkpoint.deepspeed.reader import MODEL_FILE, AnyReader, DeepSpeedReader
 from zeroshard.checkpoint.errors import CheckpointError
 from zeroshard.checkpoint.reader import VECTOR
 

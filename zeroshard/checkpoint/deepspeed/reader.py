@@ -21,7 +21,7 @@
 :class:`DeepSpeedReader` turns this into what :class:`~zeroshard.checkpoint.reader.CheckpointReader`
 offers (saved ranges per parameter, read by element range), so ``load_checkpoint``, the offline
 conversions and the state-dict helpers use it unchanged. Files are unpickled only as
-deepspeed_pickle.py [Note: DeepSpeed pickles] allows, memory-mapped, one at a time where a caller
+deepspeed/pickles.py [Note: DeepSpeed pickles] allows, memory-mapped, one at a time where a caller
 releases them.
 """
 
@@ -36,7 +36,7 @@ from typing import Any, TypeAlias
 
 import torch
 
-from zeroshard.checkpoint.deepspeed_index import (
+from zeroshard.checkpoint.deepspeed.index import (
     DeepSpeedRange,
     IndexBuilder,
     as_int,
@@ -45,7 +45,7 @@ from zeroshard.checkpoint.deepspeed_index import (
     stage0_masters,
     stage0_optimizer,
 )
-from zeroshard.checkpoint.deepspeed_pickle import DeepSpeedObject, load_deepspeed_file
+from zeroshard.checkpoint.deepspeed.pickles import DeepSpeedObject, load_deepspeed_file
 from zeroshard.checkpoint.errors import CheckpointError
 from zeroshard.checkpoint.format import METADATA_FILE, confined
 from zeroshard.checkpoint.reader import VECTOR, CheckpointReader, agreed_states
