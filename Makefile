@@ -3,7 +3,7 @@
 #
 #   make demo     train the example GPT with ZeRO stage 2 on 2 CPU processes (gloo)
 #   make test     run the test suite (make test-unit: without the integration tests)
-#   make lint     ruff check, ruff format --check, mypy zeroshard
+#   make lint     ruff check, ruff format --check, mypy zeroshard, the size budget (tools/check_sizes.py)
 #   make help     everything else
 
 SHELL := /bin/bash
@@ -38,7 +38,7 @@ help:
 	@echo "make test          pytest, with the 15 slowest tests' durations"
 	@echo "make test-unit     the same without tests marked integration (external libraries, launchers, scripts)"
 	@echo "make test-cuda     tests/test_cuda.py on a machine with a CUDA GPU (the CUDA paths)"
-	@echo "make lint          ruff check + ruff format --check + mypy zeroshard"
+	@echo "make lint          ruff check + ruff format --check + mypy zeroshard + tools/check_sizes.py (size budget)"
 	@echo "make deepspeed-inventory / deepspeed-surface   reread DeepSpeed's public names; rewrite docs/deepspeed-surface.md"
 	@echo "make format        ruff format + ruff check --fix"
 	@echo "make install       create $(VENV) and install torch==$(TORCH_VERSION) and zeroshard[dev] into it"
@@ -110,6 +110,7 @@ lint: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m mypy zeroshard
+	$(PY) tools/check_sizes.py
 
 format: $(STAMP)
 	$(PY) -m ruff format .
