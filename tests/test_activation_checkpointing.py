@@ -4,7 +4,7 @@ hand-written blocks, and Hugging Face ``gradient_checkpointing_enable()`` on a t
 Each case trains a few steps at W=2 and compares the weights with the same loop in one process without
 zeroshard and without checkpointing (same global batch, fp32). At stage 3 the units are made small enough to
 be sharded (``stage3_param_persistence_threshold`` 0), so a recomputation inside backward really re-enters
-the gather hooks ([Note: recompute] in ``zeroshard/core/hooks.py``).
+the gather hooks ([Note: recompute] in ``zeroshard/core/stage3/gatherer.py``).
 """
 
 from __future__ import annotations

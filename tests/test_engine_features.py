@@ -348,7 +348,7 @@ def test_engine_features_match_one_process() -> None:
             "1": psi_reduce + psi_gather,
             "2": psi_reduce + psi_gather,
             # Forward and backward gathers, but none for the first layer's backward, which reads its input,
-            # not its weight (spent.py [Note: spent units]).
+            # not its weight (stage3/spent_units.py [Note: spent units]).
             "3": psi_reduce + 2 * psi_gather - gather * r["first"],
         }[stage]
         assert r["moved"] == expected, (key, r)

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 import zeroshard
-from zeroshard.core.marks import external_parameters, leaf_classes
 from zeroshard.core.owners import OwnerRegistry, ParameterMap
+from zeroshard.core.stage3.module_marks import external_parameters, leaf_classes
 
 
 def test_a_parameter_map_forgets_a_parameter_when_it_is_collected() -> None:

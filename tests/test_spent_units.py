@@ -1,5 +1,6 @@
-"""Stage 3, spent.py [Note: spent units]: a unit that no backward node reads any more is released before its
-gradients arrive (a tied embedding after the LM head's backward), and only where that is safe."""
+"""Stage 3, core/stage3/spent_units.py [Note: spent units]: a unit that no backward node reads any more is
+released before its gradients arrive (a tied embedding after the LM head's backward), and only where that is
+safe."""
 
 from __future__ import annotations
 

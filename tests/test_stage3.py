@@ -90,8 +90,8 @@ def volume_and_memory(rank: int, world_size: int) -> dict[str, Any]:
             _step(engine, rank)
         out[f"peak_blocks_prefetch{prefetch > 0}"] = engine.gatherer.peak_gathered_bytes / block
         # buffers.py [Note: buffer reuse]: a step allocates a buffer only when it needs more buffers live at
-        # once than any step before, or to replace one trimmed before the last backward's end (hooks.py);
-        # holding the whole model once leaves the pool no larger than the steps need.
+        # once than any step before, or to replace one trimmed before the last backward's end
+        # (stage3/gatherer.py); holding the whole model once leaves the pool no larger than the steps need.
         pool = engine.reducer.pool
         steps, buckets = [], []
         for _ in range(8):
@@ -99,8 +99,8 @@ def volume_and_memory(rank: int, world_size: int) -> dict[str, Any]:
             engine.reducer.peak_bucket_bytes = 0
             _step(engine, rank)
             # Allocations this step, whether the high-water mark rose, and how many buffers the pool let go
-            # of before the ends of this backward and the one before (hooks.py [Note: trim before the
-            # backward's end]).
+            # of before the ends of this backward and the one before (stage3/gatherer.py [Note: trim before
+            # the backward's end]).
             steps.append((pool.misses - misses, pool.high_water_bytes > high, pool.shrunk - shrunk))
             shrunk = shrunk_before
             buckets.append(engine.reducer.peak_bucket_bytes / block)
@@ -190,7 +190,8 @@ def test_three_psi_bounded_gathered_memory_and_module_api(world_size: int) -> No
     result = run_distributed(volume_memory_and_api, world_size)[0]
     psi = result["psi"]
     assert result["bytes2"] == 2 * psi
-    # 3Ψ but for the first layer's weights, which its backward does not read (spent.py [Note: spent units]).
+    # 3Ψ but for the first layer's weights, which its backward does not read (stage3/spent_units.py
+    # [Note: spent units]).
     first = result["first"]
     assert result["bytes3"] == 3 * psi - first, result["by_op3"]
     assert result["by_op3"] == {"all_gather": 2 * psi - first, "reduce_scatter": psi}
@@ -224,7 +225,8 @@ def test_three_psi_bounded_gathered_memory_and_module_api(world_size: int) -> No
     # One group for the whole model: one reduce-scatter; each unit still released as its gradients arrive.
     assert result["groupedsmall"] == ({"all_gather": 17, "reduce_scatter": 1}, True, [9], [0] * 9)
     # No churn: a step allocates only to replace buffers let go of before the end of a backward (this one's
-    # or the one before, hooks.py [Note: trim before the backward's end]) or to raise the high-water mark.
+    # or the one before, stage3/gatherer.py [Note: trim before the backward's end]) or to raise the high-water
+    # mark.
     # Which sizes are wanted at once follows how far the ranks drift apart (how many reductions are in
     # flight), so on a loaded machine a step can miss a size the pool holds no idle buffer of without
     # raising the mark: at least half of the 8 steps, as for the buckets above.

@@ -25,11 +25,11 @@ from zeroshard.core.buffers import BufferPool
 from zeroshard.core.comm import Comm
 from zeroshard.core.grad_sync import GradientReducer
 from zeroshard.core.heartbeat import start as start_liveness
-from zeroshard.core.hooks import ParameterGatherer
 from zeroshard.core.liveness import MONITOR
 from zeroshard.core.optimizer import ShardedStep, normalize_param_groups, reseat_optimizer, shard_param_groups
 from zeroshard.core.precision import loss_scaler_from_config, policy_from_config
 from zeroshard.core.reduction_groups import Averaging
+from zeroshard.core.stage3.gatherer import ParameterGatherer
 from zeroshard.core.stages import StagePlan, plan_for
 from zeroshard.core.units import UnitOptions, build_units, unit_elements
 from zeroshard.data import ResumableDataLoader, build_loader

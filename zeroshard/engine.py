@@ -27,12 +27,12 @@ from zeroshard.config import ZeroshardConfig
 from zeroshard.core.comm import Comm
 from zeroshard.core.flat_param import FlatUnit
 from zeroshard.core.grad_sync import GradientReducer
-from zeroshard.core.hooks import ParameterGatherer
 from zeroshard.core.liveness import MONITOR, collective_api
 from zeroshard.core.loss_scaler import LossScaleFloorError, LossScaler
 from zeroshard.core.memory import MemoryBreakdown, measure
 from zeroshard.core.optimizer import ShardedStep
 from zeroshard.core.precision import cast_floating
+from zeroshard.core.stage3.gatherer import ParameterGatherer
 from zeroshard.core.stages import StagePlan
 from zeroshard.data import ResumableDataLoader
 from zeroshard.engine_checkpoint import CheckpointMethods

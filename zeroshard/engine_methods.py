@@ -36,7 +36,7 @@ from zeroshard.engine_surface import DeepSpeedSurface
 from zeroshard.zero import GatheredParameters
 
 if TYPE_CHECKING:
-    from zeroshard.core.hooks import ParameterGatherer
+    from zeroshard.core.stage3.gatherer import ParameterGatherer
     from zeroshard.telemetry import Telemetry
 
     class _Engine(Protocol):

@@ -18,16 +18,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from zeroshard.core import saved_views
 from zeroshard.core.comm import Comm
 from zeroshard.core.ds_attrs import present, set_available, withdraw
 from zeroshard.core.flat_param import FlatUnit
 from zeroshard.core.heartbeat import start as start_liveness
-from zeroshard.core.hooks import ParameterGatherer
 from zeroshard.core.layout import FlatLayout
 from zeroshard.core.liveness import MONITOR
-from zeroshard.core.marks import register_external_parameter
 from zeroshard.core.owners import OwnerRegistry, ParameterMap
+from zeroshard.core.stage3 import saved_views
+from zeroshard.core.stage3.gatherer import ParameterGatherer
+from zeroshard.core.stage3.module_marks import register_external_parameter
 from zeroshard.dist import init_distributed
 from zeroshard.offload.malloc import keep_large_blocks_mapped, release_free_memory
 

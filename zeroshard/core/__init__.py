@@ -6,9 +6,9 @@ Nothing here reads a config file, touches the file system or knows about DeepSpe
 - ``layout``: pure shard arithmetic (offsets, padding, which rank owns which range).
 - ``units``, ``flat_param``: the parameters communicated together and one unit's buffers and shard state.
 - ``stages``: what each ZeRO stage shards and when it communicates, as data.
-- ``grad_sync``, ``inflight``, ``hooks``, ``gather_check``, ``saved_views``: gradient reduction and stage-3
-  gathering.
-- ``param_access``, ``marks``: parameters used outside their module; leaf modules and declared externals.
+- ``grad_sync``, ``inflight``: gradient reduction.
+- ``stage3/``: stage-3 gathering (the gatherer and its helpers: prefetch, spent units, saved views, parameters
+  used outside their module, the gather check, and the marks users put on modules).
 - ``optimizer``, ``precision``, ``loss_scaler``: the sharded optimizer step and its dtype policy.
 - ``comm``, ``pending``: the one module that calls collectives, and waiting for them (timeouts, counts).
 - ``liveness``, ``heartbeat``: which API and collective each rank is in, dead or stuck peers named.

@@ -27,8 +27,8 @@ Invariants:
   by ``engine.memory_breakdown().cached_buffers``). New buffers are rounded up by at most 1/64
   (``_rounded``), so requests a bias apart share them.
 * The caller may let go of idle buffers early with :meth:`BufferPool.shrink` (the gatherer does it before
-  the last units of a stage-3 backward: [Note: trim before the backward's end] in ``hooks.py``); later
-  requests then allocate again, up to the same bounds. Nothing else trims between steps.
+  the last units of a stage-3 backward: [Note: trim before the backward's end] in ``stage3/gatherer.py``);
+  later requests then allocate again, up to the same bounds. Nothing else trims between steps.
 * Requests made under :meth:`BufferPool.exempt` (the whole model gathered for generation or export) do not
   raise the high-water mark, so a one-off demand never makes the pool keep that much idle afterwards.
 """

@@ -279,8 +279,8 @@ class FlatUnit:
         """Free the full parameters; the parameters become empty placeholders until the next gather.
 
         The memory goes once nothing else refers to the old buffer: tensors autograd saves from it in
-        forward are kept as references to the unit instead (``saved_views`` [Note: saved views]). Without
-        ``keep_buffer`` the buffer goes back to the allocator, not to the pool's idle buffers.
+        forward are kept as references to the unit instead (``stage3/saved_views.py`` [Note: saved views]).
+        Without ``keep_buffer`` the buffer goes back to the allocator, not to the pool's idle buffers.
         """
         if self._gathering is not None:
             self.finish_gather()
@@ -293,10 +293,10 @@ class FlatUnit:
 
     def release_before_gradients(self) -> None:
         """:meth:`release` while the gradients are still to come (stage 3, [Note: spent units] in
-        ``spent.py``), the buffer to the allocator. Each parameter becomes a stand-in of its shape, one NaN
-        broadcast over it: autograd checks a gradient against its parameter's shape and lays it out like the
-        parameter's data, and a read of the values shows NaN, not numbers. :meth:`release` makes the
-        parameters empty placeholders again."""
+        ``stage3/spent_units.py``), the buffer to the allocator. Each parameter becomes a stand-in of its
+        shape, one NaN broadcast over it: autograd checks a gradient against its parameter's shape and lays it
+        out like the parameter's data, and a read of the values shows NaN, not numbers. :meth:`release` makes
+        the parameters empty placeholders again."""
         self.release(keep_buffer=False)
         nan = torch.full((1,), float("nan"), dtype=self.policy.compute, device=self.device)
         for param, shape in zip(self.params, self.shapes, strict=True):

@@ -20,9 +20,9 @@ The same holds for a stage-3 backward that begins with every unit gathered (Deep
 so no peer can be waiting for this rank's gather. Whether a backward is such a *gather-free* one is decided
 at its start, the same on every rank (which units are gathered follows last step's order), so every rank
 launches the same markers, none. It stays gather-free: units whose gradients were reduced are not gathered
-again in the same backward (``hooks.py``), no unit is spent early (a recomputation would gather it again),
-and a gather asked for anyway raises an error instead of risking the wait. Without this a rank that runs
-ahead would hold every bucket it launched until a peer catches up, since no gather makes the ranks meet.
+again in the same backward (``stage3/gatherer.py``), no unit is spent early (a recomputation would gather it
+again), and a gather asked for anyway raises an error instead of risking the wait. Without this a rank that
+runs ahead would hold every bucket it launched until a peer catches up, since no gather makes the ranks meet.
 """
 
 from __future__ import annotations

@@ -237,7 +237,8 @@ class Monitor:
         return CollectiveError("\n".join(line for line in lines if line))
 
 
-# Why stage-3 ranks gather different parameters, and what to do about it (see zeroshard/core/hooks.py).
+# Why stage-3 ranks gather different parameters, and what to do about it (see
+# zeroshard/core/stage3/gatherer.py).
 STAGE3_ADVICE = (
     "ZeRO stage 3 needs every rank to run the same modules in the same order. A module that runs on some "
     "ranks only (data-dependent control flow) must not be gathered on its own: keep its parameters full "

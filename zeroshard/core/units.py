@@ -29,8 +29,8 @@ from zeroshard.config import ZeroshardConfig
 from zeroshard.core.buffers import BufferPool
 from zeroshard.core.comm import Comm
 from zeroshard.core.flat_param import FlatUnit, unique_units
-from zeroshard.core.marks import external_parameters, is_leaf, leaf_classes
 from zeroshard.core.precision import DtypePolicy
+from zeroshard.core.stage3.module_marks import external_parameters, is_leaf, leaf_classes
 from zeroshard.core.stages import STAGES, StagePlan
 from zeroshard.zero import full_numel, materialize
 

@@ -6,8 +6,8 @@ rank's shard in the compute dtype (unit_store.py [Note: offloaded master]). With
 nvme`` that shard lives in a file as well, one region per optimizer sub-group, so that a stepped sub-group
 is written straight from the step without reading the rest of the unit. A gather reads the shard (or
 finds it already read: the gatherer reads ahead along the previous step's order, see
-``hooks.ParameterGatherer``), launches the all-gather and drops the shard again. Persistent units (small
-modules kept full, stage 3's ``param_persistence_threshold``) stay in memory.
+``core.stage3.gatherer.ParameterGatherer``), launches the all-gather and drops the shard again. Persistent
+units (small modules kept full, stage 3's ``param_persistence_threshold``) stay in memory.
 
 Local: no collectives. The caller never reads a region while its write is in flight: every read first
 waits for the pending write of the same region.

@@ -3,7 +3,7 @@
 DeepSpeed's semantics: the functions mark the module *instances* present when they are called (a module
 added later is not marked), by class (a class, its name or its qualified name) or by name in
 ``model.named_modules()``, and return what they marked. zeroshard keeps the mark in its own per-module record
-(``zeroshard.core.marks``) and reads it when ``initialize`` builds the stage-3 units.
+(``zeroshard.core.stage3.module_marks``) and reads it when ``initialize`` builds the stage-3 units.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from zeroshard.core.marks import is_leaf, set_leaf
+from zeroshard.core.stage3.module_marks import is_leaf, set_leaf
 from zeroshard.deepspeed import surface
 
 __all__ = [

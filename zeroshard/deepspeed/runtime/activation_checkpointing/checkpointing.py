@@ -4,7 +4,8 @@ DeepSpeed's module ``deepspeed.runtime.activation_checkpointing.checkpointing``,
 ``checkpointing``.
 
 ``checkpoint`` is the reentrant kind (DeepSpeed's ``CheckpointFunction`` is), ``non_reentrant_checkpoint``
-the other; both train exactly at every ZeRO stage ([Note: recompute] in ``zeroshard/core/hooks.py``).
+the other; both train exactly at every ZeRO stage ([Note: recompute] in
+``zeroshard/core/stage3/gatherer.py``).
 zeroshard is data parallel only, so the model-parallel parts are trivial: the RNG tracker has one state and
 ``partition_activations`` (which partitions across model-parallel ranks) has nothing to partition.
 ``checkpoint_in_cpu`` and ``contiguous_checkpointing`` are accepted and have no effect; ``configure`` logs

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from zeroshard.core.ds_attrs import ZeroParamStatus, ds_id, present
-from zeroshard.core.marks import register_external_parameter
+from zeroshard.core.stage3.module_marks import register_external_parameter
 from zeroshard.deepspeed import surface
 from zeroshard.zero import GatheredParameters, Init
 

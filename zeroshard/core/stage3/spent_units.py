@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable
 from torch import nn
 
 from zeroshard.core.flat_param import FlatUnit
-from zeroshard.core.saved_views import SavedViews
+from zeroshard.core.stage3.saved_views import SavedViews
 
 # Built-in layers whose backward reads their parameters only through the tensors autograd saved in forward:
 # a unit gathered by these alone can be released once those tensors are gone.

@@ -6,7 +6,7 @@ next. :class:`PrefetchSchedule` records this step's order as the gatherer asks f
 previous step's: a cursor follows it, the units after the cursor are gathered ahead (within
 ``prefetch_bucket_size`` and ``max_live_parameters``), their NVMe shards are read further ahead, and a unit
 needed again soon (within ``max_reuse_distance``) is kept gathered instead of released. Pure bookkeeping:
-it launches nothing itself (``hooks.ParameterGatherer`` does, on every rank in the same order).
+it launches nothing itself (``gatherer.ParameterGatherer`` does, on every rank in the same order).
 """
 
 from __future__ import annotations

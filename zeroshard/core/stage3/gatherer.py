@@ -42,7 +42,7 @@ backward's later requests (the last reduce-scatter outputs) and the next backwar
 With DeepSpeed's default ``stage3_max_reuse_distance`` the forward keeps most units gathered, so the pool
 keeps most of its buffers.
 
-Units that backward has finished reading are released before their gradients arrive (``spent.py``,
+Units that backward has finished reading are released before their gradients arrive (``spent_units.py``,
 [Note: spent units]).
 
 Ranks that run different modules raise an error naming each rank's units instead of pairing different
@@ -65,12 +65,12 @@ from torch.utils.hooks import RemovableHandle
 from zeroshard.core.buffers import BufferPool
 from zeroshard.core.comm import Comm
 from zeroshard.core.flat_param import FlatUnit, unique_units
-from zeroshard.core.gather_check import GatherChecks
 from zeroshard.core.grad_sync import reentrant_reuse_error
-from zeroshard.core.param_access import ParameterAccess
-from zeroshard.core.prefetch import PrefetchSchedule
-from zeroshard.core.saved_views import SavedViews
-from zeroshard.core.spent import SpentUnits
+from zeroshard.core.stage3.external_access import ParameterAccess
+from zeroshard.core.stage3.gather_check import GatherChecks
+from zeroshard.core.stage3.prefetch import PrefetchSchedule
+from zeroshard.core.stage3.saved_views import SavedViews
+from zeroshard.core.stage3.spent_units import SpentUnits
 
 
 def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
