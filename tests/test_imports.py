@@ -1,5 +1,6 @@
 """The package's import graph has no cycles: every ``zeroshard`` import, at module level, under
-``TYPE_CHECKING`` or inside a function, points one way (core below engine, engine below the entry points).
+``TYPE_CHECKING`` or inside a function, points one way (core below engine, engine below the entry points),
+and ``zeroshard.core`` imports nothing outside itself.
 
 A cycle here is a design smell before it is a runtime error: a module that needs its importer should take
 what it needs as an argument or a protocol (see ``checkpoint/state.py``, ``core/flat_param.ShardStore``).
@@ -23,11 +24,20 @@ from zeroshard.core.owners import OwnerRegistry
 PACKAGE = Path(zeroshard.__file__).parent
 
 
-def _module_name(path: Path) -> str:
-    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+def _module_name(path: Path, package: Path = PACKAGE) -> str:
+    parts = list(path.relative_to(package.parent).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
+
+
+def _imported_from(name: str, path: Path, node: ast.ImportFrom) -> str:
+    """The absolute module of ``from X import ...`` in module ``name`` (relative imports resolved)."""
+    if node.level == 0:
+        return node.module or ""
+    parts = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    parts = parts[: len(parts) - (node.level - 1)]
+    return ".".join([*parts, node.module] if node.module else parts)
 
 
 def import_graph(package: Path) -> dict[str, set[str]]:
@@ -36,15 +46,14 @@ def import_graph(package: Path) -> dict[str, set[str]]:
     Importing a submodule also runs its parents' ``__init__``; those implicit edges are not counted, or the
     package root (which re-exports the public API) would close a cycle with everything.
     """
-    files = {_module_name(p): p for p in package.rglob("*.py")}
+    files = {_module_name(p, package): p for p in package.rglob("*.py")}
     graph: dict[str, set[str]] = {name: set() for name in files}
     for name, path in files.items():
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             targets: list[str] = []
-            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if isinstance(node, ast.ImportFrom) and (module := _imported_from(name, path, node)):
                 targets = [
-                    f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in files else node.module
-                    for a in node.names
+                    f"{module}.{a.name}" if f"{module}.{a.name}" in files else module for a in node.names
                 ]
             elif isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
@@ -87,25 +96,52 @@ def test_package_has_no_import_cycle() -> None:
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
 
 
-def test_core_does_not_import_the_layers_above_it() -> None:
-    """``zeroshard.core`` is the sharded step: it never reaches up into checkpoints, offload stores,
-    the engine, the CLI or the DeepSpeed names (they hand it what it needs)."""
-    above = (
-        "zeroshard.engine",
-        "zeroshard.build",
-        "zeroshard.checkpoint",
-        "zeroshard.offload",
-        "zeroshard.cli",
-    )
+def imports_leaving(graph: dict[str, set[str]], package: str) -> set[tuple[str, str]]:
+    """The edges ``(module, target)`` of ``graph`` from inside ``package`` to outside it."""
+
+    def inside(module: str) -> bool:
+        return module == package or module.startswith(package + ".")
+
+    return {(name, t) for name, targets in graph.items() if inside(name) for t in targets if not inside(t)}
+
+
+def test_core_imports_nothing_outside_core() -> None:
+    """``zeroshard.core`` is the sharded step: it imports nothing of the package outside ``core/`` (not the
+    config, ``zero.py``, checkpoints, offload stores, the engine, the CLI or the DeepSpeed names), at module
+    level, under ``TYPE_CHECKING`` or inside a function. What it needs is handed to it as plain values
+    (``zeroshard/core_config.py``) or as arguments."""
     graph = import_graph(PACKAGE)
-    bad = {
-        (name, t)
-        for name, targets in graph.items()
-        if name.startswith("zeroshard.core")
-        for t in targets
-        if t.startswith(above)
+    assert graph["zeroshard.core.units"] and graph["zeroshard.core.stage3.gatherer"], "the walk found nothing"
+    bad = imports_leaving(graph, "zeroshard.core")
+    assert not bad, "core modules import modules outside zeroshard.core: " + ", ".join(
+        f"{name} -> {target}" for name, target in sorted(bad)
+    )
+
+
+def test_the_core_rule_finds_every_kind_of_import(tmp_path: Path) -> None:
+    """The walk sees imports inside functions and relative ones, and the rule flags those leaving ``core``
+    (a sibling whose name starts like ``core`` included), not those within it."""
+    package = tmp_path / "pkg"
+    (package / "core" / "sub").mkdir(parents=True)
+    sources = {
+        "__init__.py": "",
+        "config.py": "",
+        "corex.py": "",
+        "core/__init__.py": "",
+        "core/a.py": "from pkg.core import b\n\ndef f():\n    from pkg.config import X\n",
+        "core/b.py": "from . import a\nimport pkg.corex\n",
+        "core/sub/__init__.py": "from ...config import Y\nfrom ..a import f\n",
+        "engine.py": "from pkg.core.a import f\n",
     }
-    assert not bad, f"core modules import layers above them: {sorted(bad)}"
+    for name, text in sources.items():
+        (package / name).write_text(text)
+    graph = import_graph(package)
+    assert graph["pkg.core.b"] == {"pkg.core.a", "pkg.corex"}
+    assert imports_leaving(graph, "pkg.core") == {
+        ("pkg.core.a", "pkg.config"),
+        ("pkg.core.b", "pkg.corex"),
+        ("pkg.core.sub", "pkg.config"),
+    }
 
 
 # Module-level containers that are filled at run time on purpose, with the reason.
@@ -126,7 +162,8 @@ def test_no_module_level_registries() -> None:
 
     A registry shows as a weak dictionary or set, a container keyed by ``id()``s, or a container that is
     empty at import and filled at run time; constant tables (non-empty, not keyed by ints) pass. The owner
-    registries of ``zero.py`` are the one exception: they list the owners' maps and hold no entry.
+    registries of ``zero.py`` (engines) and ``core/partitioned.py`` (``zero.Init`` contexts) are the one
+    exception: they list the owners' maps and hold no entry.
     """
     weak = (weakref.WeakKeyDictionary, weakref.WeakValueDictionary, weakref.WeakSet)
     found: list[str] = []
@@ -146,7 +183,7 @@ def test_no_module_level_registries() -> None:
                 elif any(type(k) is int and k > 1 << 16 for k in value):  # addresses: id()s
                     found.append(f"{where} ({type(value).__name__} keyed by id())")
     assert not found, f"module-level registries: {found}"
-    assert sorted(registries) == ["zeroshard.zero._ENGINES", "zeroshard.zero._INITS"], registries
+    assert sorted(registries) == ["zeroshard.core.partitioned._INITS", "zeroshard.zero._ENGINES"], registries
 
 
 def test_the_scan_finds_a_registry() -> None:

@@ -20,7 +20,7 @@ from torch import nn
 
 from zeroshard.config.schema import ZeroshardConfig
 from zeroshard.core.comm import Comm
-from zeroshard.zero import full_shape
+from zeroshard.core.partitioned import full_shape
 
 __all__ = ["check_ranks_agree"]
 

@@ -27,11 +27,11 @@ from zeroshard.core.grad_sync import GradientReducer
 from zeroshard.core.heartbeat import start as start_liveness
 from zeroshard.core.liveness import MONITOR
 from zeroshard.core.optimizer import ShardedStep, normalize_param_groups, reseat_optimizer, shard_param_groups
-from zeroshard.core.precision import loss_scaler_from_config, policy_from_config
 from zeroshard.core.reduction_groups import Averaging
 from zeroshard.core.stage3.gatherer import ParameterGatherer
 from zeroshard.core.stages import StagePlan, plan_for
-from zeroshard.core.units import UnitOptions, build_units, unit_elements
+from zeroshard.core.units import UnitOptions, build_units
+from zeroshard.core_config import loss_scaler_from_config, policy_from_config, unit_rules_from_config
 from zeroshard.data import ResumableDataLoader, build_loader
 from zeroshard.dist import init_distributed, local_rank, training_device
 from zeroshard.engine import ZeroshardEngine
@@ -97,6 +97,7 @@ def initialize(
         check_ranks_agree(model, cfg, comm)
         plan = plan_for(cfg.zero_optimization.stage)
         policy = policy_from_config(cfg)
+        rules = unit_rules_from_config(cfg)
         if comm.rank == 0:
             logger.info("zeroshard config:\n%s", cfg.dump())
 
@@ -108,7 +109,7 @@ def initialize(
         swapper = offload.optimizer_swapper
         pool = BufferPool()  # transient flat buffers reused across units: see buffers.py, sized below
         options = UnitOptions(offload.master_device, offload.on_unit, pool)
-        built = build_units(model, cfg, plan, policy, comm, options)
+        built = build_units(model, rules, plan, policy, comm, options)
         units = built.units
         # Idle buffers fill the room below the high-water mark plus two bucket-sized units ([Note: bounded
         # units]), or the largest unit if smaller: the spare adds to peak RSS in every backward. On the
@@ -117,7 +118,7 @@ def initialize(
         # about 80 ([Note: buffer reuse]).
         itemsize = max(policy.compute.itemsize, policy.reduce.itemsize)
         largest = max((u.layout.padded for u in units), default=0)
-        pool.spare_bytes = itemsize * min(largest, 2 * unit_elements(cfg))
+        pool.spare_bytes = itemsize * min(largest, 2 * rules.unit_elements)
         if policy.mixed:
             # Frozen parameters and floating buffers follow the compute dtype; unit parameters already do.
             model.to(dtype=policy.compute)
@@ -141,7 +142,7 @@ def initialize(
             pool=pool,
             # Coalesced stage-3 buckets are bounded like stage 0-2 units ([Note: bounded units]): with
             # MAX_INFLIGHT reductions in flight, larger ones would hold that many times their size.
-            bucket_elements=unit_elements(cfg),
+            bucket_elements=rules.unit_elements,
         )
         reducer.register_hooks()
         gatherer = None

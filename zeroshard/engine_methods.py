@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 import torch
 from torch import nn
 
-from zeroshard.core.precision import policy_from_config
+from zeroshard.core_config import policy_from_config
 from zeroshard.data import ResumableDataLoader
 from zeroshard.engine_surface import DeepSpeedSurface
 from zeroshard.zero import GatheredParameters

@@ -19,12 +19,13 @@ import torch
 from torch import nn
 
 from zeroshard.core.comm import Comm
-from zeroshard.core.ds_attrs import present, set_available, withdraw
+from zeroshard.core.ds_attrs import present, set_available
 from zeroshard.core.flat_param import FlatUnit
 from zeroshard.core.heartbeat import start as start_liveness
 from zeroshard.core.layout import FlatLayout
 from zeroshard.core.liveness import MONITOR
 from zeroshard.core.owners import OwnerRegistry, ParameterMap
+from zeroshard.core.partitioned import Partition, full_value, partition_entry, track
 from zeroshard.core.stage3 import saved_views
 from zeroshard.core.stage3.gatherer import ParameterGatherer
 from zeroshard.core.stage3.module_marks import register_external_parameter
@@ -96,13 +97,13 @@ class GatheredParameters:
             p for p, o in owners if o is not None and o[1] is not None and o[0].plan.shard_parameters
         ]
         # Parameters still partitioned by Init (before initialize: how from_pretrained fills a model).
-        self._partitioned = [p for p in plist if _partition_entry(p) is not None]
+        self._partitioned = [p for p in plist if partition_entry(p) is not None]
         self._stack = contextlib.ExitStack()
 
     def __enter__(self) -> GatheredParameters:
         if not self.enabled:
             return self
-        comms = [e[2] for e in map(_partition_entry, self._partitioned) if e is not None]
+        comms = [e[2] for e in map(partition_entry, self._partitioned) if e is not None]
         comms += [
             comm
             for unit, gatherer, comm in self._owned
@@ -116,8 +117,8 @@ class GatheredParameters:
             self._stack.close()
             raise
         for param in self._partitioned:
-            shape, shard, comm = _partition_entry(param) or _missing(param)
-            param.data = _full_value(shape, shard, comm, shard.device)
+            shape, shard, comm = partition_entry(param) or _missing(param)
+            param.data = full_value(shape, shard, comm, shard.device)
         set_available(self._partitioned, True)
         by_gatherer: dict[int, tuple[ParameterGatherer, list[FlatUnit]]] = {}
         for unit, gatherer, _ in self._owned:
@@ -154,7 +155,7 @@ class GatheredParameters:
         ``keep`` (broadcast first), else with the values they had (changes are discarded, as DeepSpeed does).
         Collective: all ranks."""
         for param in self._partitioned:
-            _, shard, comm = _partition_entry(param) or _missing(param)
+            _, shard, comm = partition_entry(param) or _missing(param)
             if keep:
                 value = param.detach().contiguous()
                 comm.broadcast(value, src=self.modifier_rank or 0, what="GatheredParameters broadcast").wait()
@@ -172,10 +173,7 @@ def _missing(param: nn.Parameter) -> tuple[torch.Size, torch.Tensor, Comm]:
 
 
 # -- building a model already partitioned -----------------------------------------------------------------
-# The full shape, this rank's slice of the flattened parameter, and the group's Comm.
-_Partition = tuple[torch.Size, torch.Tensor, Comm]
-# The parameter maps of the Init contexts that still hold partitioned parameters ([Note: parameter owners]).
-_INITS: OwnerRegistry[_Partition] = OwnerRegistry(weak=False)
+# Init's partitioned parameters are listed in core/partitioned.py ([Note: parameter owners]).
 
 
 class Init:
@@ -253,15 +251,15 @@ class Init:
             init_distributed()
         self.comm = Comm(data_parallel_group)
         self._handle: Any = None
-        # This context's partitioned parameters; listed in _INITS until initialize() takes them all.
-        self.partitioned: ParameterMap[_Partition] = ParameterMap()
+        # This context's partitioned parameters; listed (track) until initialize() takes them all.
+        self.partitioned: ParameterMap[Partition] = ParameterMap()
         self._api: Any = None
         # Building a model that will train with NVMe offload: keep the allocator from hoarding the full
         # submodules built here (see offload/malloc.py).
         self._offloading = remote_device == "nvme" or _offloads_to_nvme(config_dict_or_path or config)
         if module is not None and enabled:
             for param in module.parameters():
-                if _partition_entry(param) is None and param.requires_grad:
+                if partition_entry(param) is None and param.requires_grad:
                     self._partition(param)
 
     def __enter__(self) -> Init:
@@ -304,7 +302,7 @@ class Init:
         for ref, name in self._built:
             module = ref()
             param = module._parameters.get(name) if module is not None else None
-            if param is not None and _partition_entry(param) is None and param.requires_grad:
+            if param is not None and partition_entry(param) is None and param.requires_grad:
                 self._partition(param)
         self._built = []
 
@@ -312,7 +310,7 @@ class Init:
         if child is None:
             return
         for param in child.parameters(recurse=False):
-            if _partition_entry(param) is None and param.requires_grad:
+            if partition_entry(param) is None and param.requires_grad:
                 self._partition(param)
 
     def _partition(self, param: nn.Parameter) -> None:
@@ -322,7 +320,7 @@ class Init:
         shard = torch.zeros(layout.shard_size, dtype=param.dtype, device=param.device)
         shape = param.shape
         self.partitioned[param] = (shape, shard, self.comm)
-        _INITS.add(self.partitioned)
+        track(self.partitioned)
         _cut(param, shard, self.comm)
         present(param, shape, shard, available=False)  # ds_tensor is the shard itself
 
@@ -339,7 +337,7 @@ def _gathering_apply(plain: Any) -> Any:
             return plain(module, fn)  # type: ignore[no-any-return]
 
         def gathered(m: nn.Module) -> None:
-            params = [p for p in m.parameters(recurse=False) if _partition_entry(p) is not None]
+            params = [p for p in m.parameters(recurse=False) if partition_entry(p) is not None]
             if not params:
                 fn(m)
                 return
@@ -362,27 +360,6 @@ def _cut(param: nn.Parameter, shard: torch.Tensor, comm: Comm) -> None:
     param.data = torch.empty(0, dtype=param.dtype, device=param.device)
 
 
-def _partition_entry(param: nn.Parameter) -> _Partition | None:
-    return _INITS.find(param)
-
-
-def _take_partition(param: nn.Parameter) -> _Partition | None:
-    """Remove ``param`` from the ``Init`` context that partitioned it; its entry, or ``None``."""
-    for partitioned in _INITS.live():
-        entry = partitioned.pop(param)
-        if entry is not None:
-            return entry
-    return None
-
-
-def _full_value(shape: torch.Size, shard: torch.Tensor, comm: Comm, device: torch.device) -> torch.Tensor:
-    """The full value of an ``Init``-partitioned parameter. Collective: all ranks of ``comm``."""
-    shard = shard.to(device)
-    full = torch.empty(comm.world_size * shard.numel(), dtype=shard.dtype, device=shard.device)
-    comm.all_gather(full, shard, what="zero.Init parameter gather").wait()
-    return full[: shape.numel()].view(shape).clone()
-
-
 def _offloads_to_nvme(config: Any) -> bool:
     """Whether a ds_config (dict or JSON path) puts parameters or optimizer state on NVMe."""
     if isinstance(config, (str, os.PathLike)) and os.path.isfile(config):
@@ -391,36 +368,3 @@ def _offloads_to_nvme(config: Any) -> bool:
     zero = config.get("zero_optimization", {}) if isinstance(config, dict) else {}
     blocks = (zero.get("offload_param"), zero.get("offload_optimizer")) if isinstance(zero, dict) else ()
     return any(isinstance(b, dict) and b.get("device") == "nvme" for b in blocks)
-
-
-def full_shape(param: nn.Parameter) -> torch.Size:
-    """The parameter's shape, also while ``Init`` keeps it partitioned."""
-    entry = _partition_entry(param)
-    return param.shape if entry is None else entry[0]
-
-
-def full_numel(param: nn.Parameter) -> int:
-    """The parameter's element count, also while ``Init`` keeps it partitioned."""
-    entry = _partition_entry(param)
-    return param.numel() if entry is None else entry[0].numel()
-
-
-def materialize(params: Iterable[nn.Parameter], comm: Comm) -> None:
-    """Give ``Init``-partitioned ``params`` their full values again (one all-gather each).
-
-    Collective: call on all ranks with the same parameters, in the same order.
-    """
-    for param in params:
-        entry = _take_partition(param)
-        if entry is None:
-            continue
-        shape, shard, built = entry
-        if built.world_size != comm.world_size:
-            raise RuntimeError(
-                f"rank {comm.rank}: a parameter was partitioned by zeroshard.zero.Init over "
-                f"{built.world_size} ranks but initialize() runs on {comm.world_size}: build the model with "
-                "the same process group"
-            )
-        # initialize() may have moved the placeholder to the training device: gather there.
-        param.data = _full_value(shape, shard, comm, param.device)
-        withdraw(param)  # the engine holds it now: [Note: DeepSpeed parameter attributes]

@@ -1,10 +1,13 @@
 """The sharded training step: everything between a model's parameters and one optimizer step.
 
-Nothing here reads a config file, touches the file system or knows about DeepSpeed's names; the engine
-(``zeroshard/engine.py``) builds these pieces from the validated config and drives them.
+Nothing here reads the config, touches the file system, knows about DeepSpeed's names or imports anything
+outside ``core/`` (``tests/test_imports.py``): ``zeroshard/build.py`` builds these pieces from plain values
+read from the validated config (``zeroshard/core_config.py``), and the engine (``zeroshard/engine.py``)
+drives them.
 
 - ``layout``: pure shard arithmetic (offsets, padding, which rank owns which range).
 - ``units``, ``flat_param``: the parameters communicated together and one unit's buffers and shard state.
+- ``partitioned``: parameters ``zero.Init`` keeps partitioned until the units take them.
 - ``stages``: what each ZeRO stage shards and when it communicates, as data.
 - ``grad_sync``, ``inflight``: gradient reduction.
 - ``stage3/``: stage-3 gathering (the gatherer and its helpers: prefetch, spent units, saved views, parameters

@@ -1,4 +1,5 @@
-"""Dtype policy: which dtype each kind of tensor is held and communicated in, from the config.
+"""Dtype policy: which dtype each kind of tensor is held and communicated in (``zeroshard.core_config``
+builds it from the config, following the rules below).
 
 [Note: dtype vocabulary]
 *compute dtype*: the full parameters the model computes with (and their gradients from autograd): fp32, or
@@ -17,9 +18,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-
-from zeroshard.config import ZeroshardConfig
-from zeroshard.core.loss_scaler import LossScaler
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -41,42 +39,6 @@ class DtypePolicy:
 
 
 FP32 = DtypePolicy()
-
-
-def _dtype(key: str, value: str) -> torch.dtype:
-    if value not in DTYPES:
-        raise ValueError(f"{key}: {value!r} is not allowed; expected one of {', '.join(DTYPES)}")
-    return DTYPES[value]
-
-
-def policy_from_config(cfg: ZeroshardConfig) -> DtypePolicy:
-    """The dtype policy a resolved config asks for (see [Note: dtype vocabulary])."""
-    if cfg.fp16.enabled and cfg.bf16.enabled:
-        raise ValueError("fp16.enabled and bf16.enabled are both true; enable at most one")
-    compute = torch.float16 if cfg.fp16.enabled else torch.bfloat16 if cfg.bf16.enabled else torch.float32
-    reduce = compute
-    if cfg.communication_data_type is not None:
-        reduce = _dtype("communication_data_type", cfg.communication_data_type)
-    accumulate = torch.float32 if cfg.gradient_accumulation_steps > 1 else compute
-    if cfg.data_types.grad_accum_dtype is not None:
-        accumulate = _dtype("data_types.grad_accum_dtype", cfg.data_types.grad_accum_dtype)
-    return DtypePolicy(compute=compute, master=torch.float32, reduce=reduce, accumulate=accumulate)
-
-
-def loss_scaler_from_config(cfg: ZeroshardConfig) -> LossScaler | None:
-    """The fp16 loss scaler (None unless fp16 is enabled): dynamic when ``fp16.loss_scale`` is 0."""
-    if not cfg.fp16.enabled:
-        return None
-    fp16 = cfg.fp16
-    if fp16.loss_scale > 0:
-        return LossScaler.static(fp16.loss_scale)
-    return LossScaler.dynamic_from(
-        initial_scale_power=fp16.initial_scale_power,
-        window=fp16.loss_scale_window,
-        min_scale=fp16.min_loss_scale,
-        hysteresis=fp16.hysteresis,
-        consecutive_hysteresis=fp16.consecutive_hysteresis,
-    )
 
 
 def cast_floating(obj: Any, dtype: torch.dtype) -> Any:

@@ -25,14 +25,13 @@ import torch
 import torch.nn.modules.container as containers
 from torch import nn
 
-from zeroshard.config import ZeroshardConfig
 from zeroshard.core.buffers import BufferPool
 from zeroshard.core.comm import Comm
 from zeroshard.core.flat_param import FlatUnit, unique_units
+from zeroshard.core.partitioned import full_numel, materialize
 from zeroshard.core.precision import DtypePolicy
 from zeroshard.core.stage3.module_marks import external_parameters, is_leaf, leaf_classes
 from zeroshard.core.stages import STAGES, StagePlan
-from zeroshard.zero import full_numel, materialize
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +50,32 @@ MAX_UNIT_ELEMENTS = 1 << 22
 
 # DeepSpeed never makes a module of more parameters than this a leaf by granularity (its Z3_MAX_LEAF_SIZE).
 MAX_LEAF_ELEMENTS = 10**9
+
+
+@dataclass(frozen=True, kw_only=True)
+class UnitRules:
+    """How a model's parameters are grouped into units: the ``zero_optimization`` settings that decide it
+    (``zeroshard.core_config.unit_rules_from_config`` reads them from the config)."""
+
+    reduce_bucket_size: int
+    """Bucket-sized units (stages 0-2, stage 3's persistent parameters) hold at most this many elements,
+    and never more than ``MAX_UNIT_ELEMENTS`` (see :attr:`unit_elements`)."""
+    param_persistence_threshold: int
+    """Stage 3: a module whose parameters total at most this many elements keeps them full on every rank."""
+    module_granularity_threshold: int
+    """Stage 3: modules at or below this granularity become leaves (see :func:`granularity_leaves`)."""
+    leaf_class_names: tuple[str, ...]
+    """Stage 3: module classes (fully qualified or bare names) whose subtree is one unit."""
+    leaf_names: tuple[str, ...]
+    """Stage 3: module names (as in ``named_modules()``) whose subtree is one unit."""
+    leaf_name_suffixes: tuple[str, ...]
+    """Stage 3: suffixes of module names whose subtree is one unit."""
+
+    @property
+    def unit_elements(self) -> int:
+        """The most elements a bucket-sized unit (stages 0-2, stage 3's persistent parameters) holds: see
+        [Note: bounded units]."""
+        return min(self.reduce_bucket_size, MAX_UNIT_ELEMENTS)
 
 
 @dataclass(frozen=True)
@@ -90,7 +115,7 @@ class _Ctx:
 
 def build_units(
     model: nn.Module,
-    cfg: ZeroshardConfig,
+    rules: UnitRules,
     plan: StagePlan,
     policy: DtypePolicy,
     comm: Comm,
@@ -105,15 +130,9 @@ def build_units(
     if not plan.shard_parameters:
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         units: list[FlatUnit] = []
-        _bucket_units(units, named, unit_elements(cfg), plan, ctx)
+        _bucket_units(units, named, rules.unit_elements, plan, ctx)
         return ModelUnits(units, [])
-    return _stage3_units(model, cfg, plan, ctx)
-
-
-def unit_elements(cfg: ZeroshardConfig) -> int:
-    """The most elements a bucket-sized unit (stages 0-2, stage 3's persistent parameters) holds: see
-    [Note: bounded units]."""
-    return min(cfg.zero_optimization.reduce_bucket_size, MAX_UNIT_ELEMENTS)
+    return _stage3_units(model, rules, plan, ctx)
 
 
 def _make(units: list[FlatUnit], named: Named, plan: StagePlan, ctx: _Ctx) -> FlatUnit:
@@ -204,31 +223,29 @@ def granularity_leaves(model: nn.Module, threshold: int, *, warn: bool = True) -
     return leaves
 
 
-def _is_leaf(name: str, module: nn.Module, model: nn.Module, cfg: ZeroshardConfig) -> bool:
-    spec = cfg.zero_optimization.leaf_module
+def _is_leaf(name: str, module: nn.Module, model: nn.Module, rules: UnitRules) -> bool:
     cls = type(module)
     qualified = f"{cls.__module__}.{cls.__qualname__}"
     return (
         isinstance(module, leaf_classes(model))
         or is_leaf(module)
-        or qualified in spec.classes
-        or cls.__name__ in spec.classes
-        or (bool(name) and name in spec.names)
-        or any(name.endswith(sfx) for sfx in spec.name_suffixes if name)
+        or qualified in rules.leaf_class_names
+        or cls.__name__ in rules.leaf_class_names
+        or (bool(name) and name in rules.leaf_names)
+        or any(name.endswith(sfx) for sfx in rules.leaf_name_suffixes if name)
     )
 
 
-def _stage3_units(model: nn.Module, cfg: ZeroshardConfig, plan: StagePlan, ctx: _Ctx) -> ModelUnits:
-    zero = cfg.zero_optimization
+def _stage3_units(model: nn.Module, rules: UnitRules, plan: StagePlan, ctx: _Ctx) -> ModelUnits:
     claimed: set[int] = set()
     owners: list[tuple[nn.Module, Named]] = []
     uses: list[tuple[nn.Module, list[nn.Parameter]]] = []
     leaves: list[str] = []
-    by_granularity = granularity_leaves(model, zero.module_granularity_threshold, warn=ctx.comm.rank == 0)
+    by_granularity = granularity_leaves(model, rules.module_granularity_threshold, warn=ctx.comm.rank == 0)
     for name, module in model.named_modules():
         if any(leaf == "" or name.startswith(leaf + ".") for leaf in leaves):
             continue  # inside a leaf (the root itself may be one)
-        leaf = id(module) in by_granularity or _is_leaf(name, module, model, cfg)
+        leaf = id(module) in by_granularity or _is_leaf(name, module, model, rules)
         if leaf:
             leaves.append(name)
         named = [(n, p) for n, p in module.named_parameters(prefix=name, recurse=leaf) if p.requires_grad]
@@ -248,13 +265,13 @@ def _stage3_units(model: nn.Module, cfg: ZeroshardConfig, plan: StagePlan, ctx: 
     def flush_persistent() -> None:
         if persistent:
             first = len(units)
-            _bucket_units(units, persistent, unit_elements(cfg), persistent_plan, ctx)
+            _bucket_units(units, persistent, rules.unit_elements, persistent_plan, ctx)
             for unit in units[first:]:
                 unit_of.update({id(p): unit for p in unit.params})
             persistent.clear()
 
     for _, own in owners:
-        if sum(full_numel(p) for _, p in own) <= zero.param_persistence_threshold:
+        if sum(full_numel(p) for _, p in own) <= rules.param_persistence_threshold:
             persistent.extend(own)
             continue
         flush_persistent()

@@ -28,13 +28,13 @@ from torch import nn
 from zeroshard.config import ZeroshardConfig
 from zeroshard.core.comm import Comm
 from zeroshard.core.flat_param import FlatUnit
+from zeroshard.core.partitioned import full_numel
 from zeroshard.core.precision import DtypePolicy
 from zeroshard.core.stages import StagePlan
 from zeroshard.offload.malloc import release_free_memory
 from zeroshard.offload.nvme import AioSettings, NvmeStore
 from zeroshard.offload.param_swap import ParamShardStore
 from zeroshard.offload.swapper import OptimizerStateSwapper
-from zeroshard.zero import full_numel
 
 logger = logging.getLogger(__name__)
 
