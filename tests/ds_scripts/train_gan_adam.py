@@ -109,6 +109,10 @@ def main() -> None:
         losses += (three / world).tolist()
     if rank == 0:
         write_losses("gan_adam", losses)
+    # Every rank leaves together and the group is torn down before exit: a gloo group destroyed at
+    # interpreter exit while a peer still holds its side can abort the process (torchrun then fails the run).
+    deepspeed.comm.barrier()
+    deepspeed.comm.destroy_process_group()
 
 
 if __name__ == "__main__":

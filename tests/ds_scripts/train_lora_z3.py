@@ -125,6 +125,10 @@ def main() -> None:
         with open(os.path.join(os.environ["DS_SCRIPTS_OUT"], "lora_z3.json"), "w") as f:
             json.dump(result, f)
     engine.destroy()
+    # Every rank leaves together and the group is torn down before exit: a gloo group destroyed at
+    # interpreter exit while a peer still holds its side can abort the process (torchrun then fails the run).
+    deepspeed.comm.barrier()
+    deepspeed.comm.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -126,6 +126,10 @@ def main() -> None:
     if out and deepspeed.comm.get_rank() == 0:
         with open(os.path.join(out, "offload_states.json"), "w") as f:
             json.dump({"plain": plain, "offload": offloaded}, f)
+    # Every rank leaves together and the group is torn down before exit: a gloo group destroyed at
+    # interpreter exit while a peer still holds its side can abort the process (torchrun then fails the run).
+    deepspeed.comm.barrier()
+    deepspeed.comm.destroy_process_group()
 
 
 if __name__ == "__main__":
