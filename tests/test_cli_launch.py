@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
+from typing import IO
 
 import pytest
 
@@ -321,28 +325,49 @@ def test_dry_run_prints_every_node_command(tmp_path: Path, capsys: pytest.Captur
 EXAMPLE = ["examples/train_gpt.py", "--steps", "2", "--deepspeed_config", "examples/configs/zero1.json"]
 
 
-def _launch(argv: list[str]) -> subprocess.Popen[str]:
+@dataclasses.dataclass
+class _Launched:
+    """A `zeroshard launch` command running, its output going to a file (a pipe no one reads while the test
+    waits for another node could fill, block the writer, and hang the job at its shutdown barrier)."""
+
+    proc: subprocess.Popen[bytes]
+    log: IO[bytes]
+
+    def output(self) -> str:
+        self.log.seek(0)
+        return self.log.read().decode(errors="replace")
+
+
+def _launch(argv: list[str]) -> _Launched:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("WORLD_SIZE", None)
     command = [sys.executable, "-m", "zeroshard.cli", "launch", *argv, *EXAMPLE]
-    return subprocess.Popen(
-        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+    log = tempfile.TemporaryFile()
+    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    return _Launched(proc, log)
 
 
-def _finish(procs: list[subprocess.Popen[str]], timeout: float) -> list[str]:
-    outputs = []
+def _finish(launched: list[_Launched], timeout: float) -> list[str]:
+    """Every command's output once all have exited 0 within ``timeout`` seconds (together); otherwise an
+    AssertionError with the output of each, and the commands still running are killed."""
+    deadline = time.monotonic() + timeout
     try:
-        for proc in procs:
-            out, _ = proc.communicate(timeout=timeout)
-            assert proc.returncode == 0, out
-            outputs.append(out)
+        for each in launched:
+            try:
+                each.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise AssertionError(
+                    f"not done after {timeout} s:\n"
+                    + "\n---\n".join(other.output()[-4000:] for other in launched)
+                ) from None
+            assert each.proc.returncode == 0, each.output()
+        return [each.output() for each in launched]
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
-    return outputs
+        for each in launched:
+            if each.proc.poll() is None:
+                each.proc.kill()
+                each.proc.wait()
+            each.log.close()
 
 
 def _free_port() -> int:
@@ -351,7 +376,7 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _launch_node(rank: int, port: str) -> subprocess.Popen[str]:
+def _launch_node(rank: int, port: str) -> _Launched:
     return _launch(
         [
             *("--nproc-per-node", "1", "--nnodes", "2", "--node-rank", str(rank)),
