@@ -24,7 +24,7 @@ import zeroshard
 from tests.distributed import run_distributed
 from tests.models import VOCAB, make_model, two_groups
 from tests.test_checkpoint import assert_equal_params, config, params, portable, unportable, worst_error
-from zeroshard.data import ResumableDataLoader, build_loader
+from zeroshard.runtime.data import ResumableDataLoader, build_loader
 
 
 class Indexed(Dataset[tuple[int, torch.Tensor, torch.Tensor]]):
@@ -158,7 +158,7 @@ def test_uneven_resume_rounds_down_and_warns(caplog: Any) -> None:
         take(loader, 1)
     state = saving[0].state_dict()
     assert state["consumed_samples"] == 6
-    with caplog.at_level(logging.WARNING, logger="zeroshard.data"):
+    with caplog.at_level(logging.WARNING, logger="zeroshard.runtime.data"):
         resumed = loaders(40, 4, batch=3)
         for loader in resumed:
             loader.load_state_dict(state)
@@ -176,7 +176,7 @@ def test_seed_and_shuffle_restored_other_dataset_ignored(caplog: Any) -> None:
     assert rest(resumed) == list(range(8, 20))
 
     (other,) = loaders(21, 1, batch=4)
-    with caplog.at_level(logging.WARNING, logger="zeroshard.data"):
+    with caplog.at_level(logging.WARNING, logger="zeroshard.runtime.data"):
         other.load_state_dict(saving.state_dict())
     assert "saved over a dataset of 20 samples, this one has 21" in caplog.text
     assert other.state_dict()["consumed_samples"] == 0 and rest(other) == order(21, 0, 1)
@@ -191,7 +191,7 @@ def test_set_epoch_to_another_epoch_drops_a_resumed_position(caplog: Any) -> Non
     take(saving, 1)
     (resumed,) = loaders(20, 1, batch=4)
     resumed.load_state_dict(saving.state_dict())
-    with caplog.at_level(logging.WARNING, logger="zeroshard.data"):
+    with caplog.at_level(logging.WARNING, logger="zeroshard.runtime.data"):
         resumed.sampler.set_epoch(0)  # a script whose epoch counter restarts at 0
     assert "set_epoch(0) drops the data position resumed in epoch 3" in caplog.text
     assert rest(resumed) == order(20, 0, 1)

@@ -286,9 +286,9 @@ def test_offload_states_round_trips_train_bit_identically() -> None:
 
 
 def test_offload_to_none_warns(caplog: pytest.LogCaptureFixture) -> None:
-    from zeroshard.state_offload import StateOffload
+    from zeroshard.runtime.state_offload import StateOffload
 
-    with caplog.at_level(logging.WARNING, logger="zeroshard.state_offload"):
+    with caplog.at_level(logging.WARNING, logger="zeroshard.runtime.state_offload"):
         StateOffload().offload(
             [],
             torch.optim.SGD([nn.Parameter(torch.ones(1))]),

@@ -1,5 +1,5 @@
-"""DeepSpeed's engine methods on zeroshard's engine: the config queries (engine_queries.py) give what a real
-DeepSpeed 0.19.8 gives for the same ds_config, the behaviour methods (engine_methods.py) do what
+"""DeepSpeed's engine methods on zeroshard's engine: the config queries (queries.py) give what a real
+DeepSpeed 0.19.8 gives for the same ds_config, the behaviour methods (methods.py) do what
 DeepSpeed's do, and every other ``DeepSpeedEngine`` method is refused at use by name.
 
 The comparison builds a real DeepSpeed engine on CPU at W=1 (one process, a gloo group, in a subprocess
@@ -120,7 +120,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     },
 }
 
-# Queried besides engine_queries.QUERIES: DeepSpeed's behaviour methods that only read state.
+# Queried besides queries.QUERIES: DeepSpeed's behaviour methods that only read state.
 BEHAVIOUR_QUERIES = (
     "optimizer_name",
     "get_mom",
@@ -174,7 +174,7 @@ def _jsonable(value: Any) -> Any:
 
 
 def query_names() -> list[str]:
-    from zeroshard.engine_queries import QUERIES
+    from zeroshard.runtime.queries import QUERIES
 
     return [*QUERIES, *BEHAVIOUR_QUERIES]
 
@@ -286,7 +286,7 @@ def test_every_query_is_a_deepspeed_engine_method_of_its_own() -> None:
     """Each entry is a DeepSpeedEngine method, made once on DeepSpeedQueries (nothing else defines it)."""
     from zeroshard import ZeroshardEngine
     from zeroshard.deepspeed.surface import inventory
-    from zeroshard.engine_queries import QUERIES
+    from zeroshard.runtime.queries import QUERIES
 
     methods = inventory()["modules"]["deepspeed.runtime.engine"]["names"]["DeepSpeedEngine"]["methods"]
     for name in QUERIES:
@@ -302,8 +302,8 @@ def test_the_methods_take_deepspeeds_arguments() -> None:
     """Every DeepSpeedEngine method defined here takes DeepSpeed's parameters, names, order and defaults."""
     from tests.test_deepspeed_surface import signature_problems
     from zeroshard.deepspeed.surface import inventory
-    from zeroshard.engine_methods import DeepSpeedMethods
-    from zeroshard.engine_queries import DeepSpeedQueries
+    from zeroshard.runtime.methods import DeepSpeedMethods
+    from zeroshard.runtime.queries import DeepSpeedQueries
 
     methods = inventory()["modules"]["deepspeed.runtime.engine"]["names"]["DeepSpeedEngine"]["methods"]
     ours = {name for cls in (DeepSpeedMethods, DeepSpeedQueries) for name in vars(cls) if name in methods}

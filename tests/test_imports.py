@@ -91,7 +91,9 @@ def test_find_cycle_finds_one_and_only_one() -> None:
 
 def test_package_has_no_import_cycle() -> None:
     graph = import_graph(PACKAGE)
-    assert "zeroshard.core.flat_param" in graph and graph["zeroshard.engine"], "the walk found no imports"
+    assert "zeroshard.core.flat_param" in graph and graph["zeroshard.runtime.engine"], (
+        "the walk found no imports"
+    )
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
 

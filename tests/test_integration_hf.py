@@ -141,7 +141,7 @@ def _check_engines(cases: list[dict[str, Any]], results: dict[str, Any]) -> None
             config = case["ds_config"]
             if isinstance(config, str):
                 config = json.loads(Path(config).read_text())
-            assert got["engine"] == "zeroshard.engine.ZeroshardEngine", got["engine"]
+            assert got["engine"] == "zeroshard.runtime.engine.ZeroshardEngine", got["engine"]
             assert got["stage"] == config["zero_optimization"]["stage"]
 
 

@@ -287,7 +287,7 @@ telemetry = Telemetry(rank=0, world_size=1, steps_per_print=1)
 if mode == "configured_later":  # after the engine was built, the telemetry logger alone at INFO
     logging.basicConfig(stream=sys.stdout, format="root: %(message)s")
     logging.getLogger("zeroshard.telemetry.telemetry").setLevel(logging.INFO)
-logging.getLogger("zeroshard.build").info("the resolved config")
+logging.getLogger("zeroshard.runtime.build").info("the resolved config")
 values = dict(global_samples=8, loss=1.5, lr=[1e-3], loss_scale=None, grad_norm=None, skipped_steps=0,
               step_time_s=0.1, samples_per_s=80.0, comm_bytes=0, comm_wait_s=0.0, memory_bytes=1024)
 for step in (1, 2):

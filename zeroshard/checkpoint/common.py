@@ -13,7 +13,7 @@ from zeroshard.checkpoint.errors import CheckpointError
 from zeroshard.core.comm import Comm
 from zeroshard.core.flat_param import FlatUnit, OptimizerSlice
 from zeroshard.core.layout import Piece
-from zeroshard.data import ResumableDataLoader
+from zeroshard.runtime.data import ResumableDataLoader
 
 if TYPE_CHECKING:
     from zeroshard.checkpoint.state import TrainingState

@@ -14,7 +14,7 @@ A checkpoint is a directory ``<save_dir>/<tag>/`` holding
   and aliases (tied weights); per file its byte size, sha256 and the ``(name, start, end)`` ranges it holds
   with their optimizer-state keys and param group; the world size, stage and unit layout it was saved
   with; the config; counters; the data loader's position (epoch, samples consumed, sampler seed and
-  shuffle; see zeroshard/data.py); scheduler, loss scaler, RNG and client state as JSON. Since format
+  shuffle; see zeroshard/runtime/data.py); scheduler, loss scaler, RNG and client state as JSON. Since format
   version 2 it also holds ``metadata_sha256``, the sha256 of its own content without that key (compact
   JSON, sorted keys): an edited counter, dtype or learning rate is refused, not loaded. Version 1
   checkpoints (no such key) are still read, without that check.

@@ -72,7 +72,7 @@ def load_checkpoint(
     missing ``latest`` or a missing explicit ``tag`` logs a warning naming it and returns ``(None, None)``;
     a ``latest`` naming a missing tag is damage, a CheckpointError. RNG states are restored when the world
     size is the one saved with; the data loader ``initialize(training_data=...)`` returned continues from
-    the saved position, at any world size (see zeroshard/data.py [Note: data position]). See
+    the saved position, at any world size (see zeroshard/runtime/data.py [Note: data position]). See
     [Note: saving inside an accumulation window] for what happens to partial gradients.
 
     Collective: call on all ranks of the engine's group.
@@ -292,7 +292,7 @@ def _load_training_state(engine: TrainingState, reader: AnyReader, load_schedule
 
 
 def _load_data_position(engine: TrainingState, reader: AnyReader) -> None:
-    """Put the engine's data loader where the saved run's was (zeroshard/data.py [Note: data position])."""
+    """Put the engine's data loader where the saved run's was (runtime/data.py [Note: data position])."""
     loader = data_loader(engine)
     saved = reader.meta.get("data")
     if loader is None:

@@ -19,7 +19,7 @@ Like DeepSpeed, a checkpoint holds model and optimizer state, not the gradients 
 micro-steps of an unfinished window. Loading restores the counters to the start of that window
 (``micro_steps = global_steps * gradient_accumulation_steps``) and drops any partial gradients, so a
 resumed run replays the window's micro-batches from its first. The data loader's position is recorded
-as it was at the window's start, for the same reason (zeroshard/data.py).
+as it was at the window's start, for the same reason (zeroshard/runtime/data.py).
 """
 
 from __future__ import annotations
@@ -359,7 +359,7 @@ def _state_meta(obj: Any, what: str, sink: dict[str, torch.Tensor]) -> Any:
 
 
 def _data_meta(gathered: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The data loader's position (see zeroshard/data.py [Note: data position]); ranks in lockstep agree."""
+    """The data loader's position (runtime/data.py [Note: data position]); ranks in lockstep agree."""
     positions = [g["data"] for g in gathered]
     if any(p != positions[0] for p in positions):
         logger.warning(

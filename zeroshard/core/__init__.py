@@ -1,9 +1,9 @@
 """The sharded training step: everything between a model's parameters and one optimizer step.
 
 Nothing here reads the config, touches the file system, knows about DeepSpeed's names or imports anything
-outside ``core/`` (``tests/test_imports.py``): ``zeroshard/build.py`` builds these pieces from plain values
-read from the validated config (``zeroshard/core_config.py``), and the engine (``zeroshard/engine.py``)
-drives them.
+outside ``core/`` (``tests/test_imports.py``): ``zeroshard/runtime/build.py`` builds these pieces from plain
+values read from the validated config (``zeroshard/core_config.py``), and the engine
+(``zeroshard/runtime/engine.py``) drives them.
 
 - ``layout``: pure shard arithmetic (offsets, padding, which rank owns which range).
 - ``units``, ``flat_param``: the parameters communicated together and one unit's buffers and shard state.

@@ -17,14 +17,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from zeroshard.build import initialize as _initialize
 from zeroshard.config import add_config_arguments
 from zeroshard.deepspeed import accelerator, checkpoint, comm, ops, runtime, surface, utils, zero
 from zeroshard.deepspeed.accelerator import get_accelerator
 from zeroshard.deepspeed.distributed import TORCH_DISTRIBUTED_DEFAULT_PORT, init_distributed
 from zeroshard.deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError
 from zeroshard.deepspeed.runtime.zero.partition_parameters import _mark_stage3_params
-from zeroshard.engine import ZeroshardEngine as DeepSpeedEngine
+from zeroshard.runtime.build import initialize as _initialize
+from zeroshard.runtime.engine import ZeroshardEngine as DeepSpeedEngine
 from zeroshard.version import __version__ as _zeroshard_version
 
 surface.install()  # the DeepSpeed modules with no file here: [Note: generated surface] in surface.py

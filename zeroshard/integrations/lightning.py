@@ -327,7 +327,7 @@ class ZeroshardStrategy(DeepSpeedStrategy):
         """``load_full_weights=True`` at stage 3: every rank loads the consolidated ``state_dict``.
 
         The engine's state-dict hooks gather each unit for the load and write the values into the master
-        shards (see ``zeroshard.state_dict_hooks.install_state_dict_hooks``). Collective.
+        shards (see ``zeroshard.runtime.state_dict_hooks.install_state_dict_hooks``). Collective.
         """
         assert self.lightning_module is not None
         self.lightning_module.load_state_dict(ckpt["state_dict"], strict=strict)

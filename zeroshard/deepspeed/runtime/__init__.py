@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from zeroshard.deepspeed import surface
 from zeroshard.deepspeed.runtime import base_optimizer, lr_schedules, zero
-from zeroshard.engine import ZeroshardEngine as DeepSpeedEngine
+from zeroshard.runtime.engine import ZeroshardEngine as DeepSpeedEngine
 
 __all__ = ["DeepSpeedEngine", "base_optimizer", "lr_schedules", "zero"]
 

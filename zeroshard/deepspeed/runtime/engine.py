@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from zeroshard.deepspeed import surface
-from zeroshard.engine import ZeroshardEngine as DeepSpeedEngine
+from zeroshard.runtime.engine import ZeroshardEngine as DeepSpeedEngine
 
 __all__ = ["DeepSpeedEngine"]
 

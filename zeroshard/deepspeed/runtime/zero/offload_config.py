@@ -14,7 +14,7 @@ from typing import Any
 
 from zeroshard.config.blocks import OffloadOptimizerConfig, OffloadParamConfig
 from zeroshard.deepspeed import surface
-from zeroshard.state_offload import OffloadDeviceEnum, OffloadStateTypeEnum
+from zeroshard.runtime.state_offload import OffloadDeviceEnum, OffloadStateTypeEnum
 
 __all__ = [
     "DeepSpeedZeroOffloadOptimizerConfig",

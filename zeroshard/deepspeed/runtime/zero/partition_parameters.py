@@ -15,7 +15,7 @@ from zeroshard.deepspeed import surface
 from zeroshard.zero import GatheredParameters, Init
 
 if TYPE_CHECKING:
-    from zeroshard.engine import ZeroshardEngine
+    from zeroshard.runtime.engine import ZeroshardEngine
 
 __all__ = [
     "GatheredParameters",

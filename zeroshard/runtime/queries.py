@@ -1,5 +1,5 @@
-"""DeepSpeed's engine config queries as methods: one per entry of the table in ``engine_query_table.py``
-([Note: engine queries] there), over the behaviour methods of ``engine_methods.py``."""
+"""DeepSpeed's engine config queries as methods: one per entry of the table in ``query_table.py``
+([Note: engine queries] there), over the behaviour methods of ``methods.py``."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import torch
 
 from zeroshard.config import ZeroshardConfig
 from zeroshard.core.precision import DTYPES
-from zeroshard.engine_methods import DeepSpeedMethods
-from zeroshard.engine_query_table import QUERIES, Query
+from zeroshard.runtime.methods import DeepSpeedMethods
+from zeroshard.runtime.query_table import QUERIES, Query
 
 __all__ = ["QUERIES", "DeepSpeedQueries", "Query"]
 
@@ -35,7 +35,7 @@ def _communication_data_type(config: ZeroshardConfig) -> torch.dtype:
 
 class DeepSpeedQueries(DeepSpeedMethods):
     """DeepSpeed's config queries (one method per :data:`QUERIES` entry, see [Note: engine queries]) over
-    the behaviour methods of :class:`~zeroshard.engine_methods.DeepSpeedMethods`."""
+    the behaviour methods of :class:`~zeroshard.runtime.methods.DeepSpeedMethods`."""
 
     @property
     def communication_data_type(self) -> torch.dtype:

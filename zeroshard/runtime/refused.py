@@ -5,7 +5,7 @@ its module's: for a ``DeepSpeedEngine`` method (``inventory.json``) that is a fu
 signature which raises ``NotImplementedError`` naming ``DeepSpeedEngine.<name>``, its feature and
 docs/porting.md#refused-at-use when called. ``hasattr(engine, name)`` stays true, as on DeepSpeed's engine,
 and a call DeepSpeed would reject raises its ``TypeError`` first. The config queries and behaviour methods
-zeroshard does provide are in engine_queries.py and engine_methods.py.
+zeroshard does provide are in queries.py and methods.py.
 """
 
 from __future__ import annotations

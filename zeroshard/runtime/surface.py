@@ -20,7 +20,12 @@ import torch
 from torch import nn
 
 from zeroshard.errors import ArgumentError, UsageError
-from zeroshard.state_offload import OffloadDeviceEnum, OffloadStateTypeEnum, StateOffload, require_offloadable
+from zeroshard.runtime.state_offload import (
+    OffloadDeviceEnum,
+    OffloadStateTypeEnum,
+    StateOffload,
+    require_offloadable,
+)
 
 if TYPE_CHECKING:
     from zeroshard.config import ZeroshardConfig
@@ -101,8 +106,8 @@ class DeepSpeedSurface(nn.Module):
                 return getattr(module, name)
             except AttributeError:
                 pass
-            # Another DeepSpeedEngine method: refused when called (engine_refused.py), never missing.
-            from zeroshard.engine_refused import refused_method  # lazily: it reads zeroshard.deepspeed
+            # Another DeepSpeedEngine method: refused when called (refused.py), never missing.
+            from zeroshard.runtime.refused import refused_method  # lazily: it reads zeroshard.deepspeed
 
             refused = refused_method(name)
             if refused is not None:

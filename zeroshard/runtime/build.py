@@ -12,7 +12,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from zeroshard.agreement import check_ranks_agree
 from zeroshard.config import (
     ConfigError,
     ConfigTypeError,
@@ -32,14 +31,15 @@ from zeroshard.core.stage3.gatherer import ParameterGatherer
 from zeroshard.core.stages import StagePlan, plan_for
 from zeroshard.core.units import UnitOptions, build_units
 from zeroshard.core_config import loss_scaler_from_config, policy_from_config, unit_rules_from_config
-from zeroshard.data import ResumableDataLoader, build_loader
 from zeroshard.dist import init_distributed, local_rank, training_device
-from zeroshard.engine import ZeroshardEngine
 from zeroshard.errors import ArgumentError
 from zeroshard.lr_schedules import build_scheduler
 from zeroshard.offload.setup import build_offload
 from zeroshard.optim_factory import build_optimizer, check_optimizer_for_stage
-from zeroshard.state_dict_hooks import install_state_dict_hooks
+from zeroshard.runtime.agreement import check_ranks_agree
+from zeroshard.runtime.data import ResumableDataLoader, build_loader
+from zeroshard.runtime.engine import ZeroshardEngine
+from zeroshard.runtime.state_dict_hooks import install_state_dict_hooks
 from zeroshard.zero import TrainedParameters
 
 logger = logging.getLogger(__name__)

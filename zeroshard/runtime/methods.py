@@ -1,8 +1,8 @@
 """DeepSpeed's engine methods that do more than read the config: the batch settings, whether the last step
 applied, the module's state dict, the optimizer's per-group values, the dtypes, the ranks.
 
-:class:`DeepSpeedMethods` sits between :class:`~zeroshard.engine_surface.DeepSpeedSurface` and
-:class:`~zeroshard.engine_queries.DeepSpeedQueries` (DeepSpeed's config queries, made from a table) in
+:class:`DeepSpeedMethods` sits between :class:`~zeroshard.runtime.surface.DeepSpeedSurface` and
+:class:`~zeroshard.runtime.queries.DeepSpeedQueries` (DeepSpeed's config queries, made from a table) in
 :class:`zeroshard.ZeroshardEngine`'s bases. Each method keeps DeepSpeed 0.19.8's name, signature and result;
 where zeroshard's answer differs on purpose the docstring says so.
 
@@ -31,8 +31,8 @@ import torch
 from torch import nn
 
 from zeroshard.core_config import policy_from_config
-from zeroshard.data import ResumableDataLoader
-from zeroshard.engine_surface import DeepSpeedSurface
+from zeroshard.runtime.data import ResumableDataLoader
+from zeroshard.runtime.surface import DeepSpeedSurface
 from zeroshard.zero import GatheredParameters
 
 if TYPE_CHECKING:

@@ -9,7 +9,7 @@ A training step, as the user drives it::
 The engine owns the bookkeeping of the loop (micro-steps, the accumulation boundary, counters, the
 scheduler); how units are laid out and reduced lives in ``flat_param``, ``grad_sync`` and ``optimizer``.
 What a step does with non-finite gradients is ``nonfinite.py``; the checkpoint methods are
-``engine_checkpoint.py``, DeepSpeed's other engine names ``engine_surface.py``.
+``checkpointing.py``, DeepSpeed's other engine names ``surface.py``.
 """
 
 from __future__ import annotations
@@ -34,12 +34,12 @@ from zeroshard.core.optimizer import ShardedStep
 from zeroshard.core.precision import cast_floating
 from zeroshard.core.stage3.gatherer import ParameterGatherer
 from zeroshard.core.stages import StagePlan
-from zeroshard.data import ResumableDataLoader
-from zeroshard.engine_checkpoint import CheckpointMethods
-from zeroshard.engine_queries import DeepSpeedQueries
 from zeroshard.errors import UsageError
-from zeroshard.nonfinite import loss_scale_floor_error, stop_or_warn
 from zeroshard.offload.setup import Offload
+from zeroshard.runtime.checkpointing import CheckpointMethods
+from zeroshard.runtime.data import ResumableDataLoader
+from zeroshard.runtime.nonfinite import loss_scale_floor_error, stop_or_warn
+from zeroshard.runtime.queries import DeepSpeedQueries
 from zeroshard.telemetry import Telemetry
 from zeroshard.zero import TrainedParameters
 
@@ -305,7 +305,7 @@ class ZeroshardEngine(DeepSpeedQueries, CheckpointMethods):
         self._finish_step(skipped=True)
 
     def _finish_step(self, skipped: bool = False) -> None:
-        self._report_overflow(skipped)  # optimizer.overflow, DeepSpeed's flag (engine_surface.py)
+        self._report_overflow(skipped)  # optimizer.overflow, DeepSpeed's flag (surface.py)
         self.reducer.zero_grad()
         self.global_steps += 1
         self.global_samples += self.config.train_batch_size
@@ -349,7 +349,7 @@ class ZeroshardEngine(DeepSpeedQueries, CheckpointMethods):
                 p.grad.detach_().zero_()
 
     def is_gradient_accumulation_boundary(self) -> bool:
-        if self._boundary_override is not None:  # set_gradient_accumulation_boundary (engine_surface.py)
+        if self._boundary_override is not None:  # set_gradient_accumulation_boundary (surface.py)
             return self._boundary_override
         return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
 

@@ -1,4 +1,4 @@
-"""DeepSpeed's engine config queries as data (``engine_queries.DeepSpeedQueries`` is made from the table).
+"""DeepSpeed's engine config queries as data (``queries.DeepSpeedQueries`` is made from the table).
 
 [Note: engine queries]
 ``DeepSpeedEngine`` answers some hundred ``engine.<name>()`` questions about its config
@@ -11,8 +11,8 @@ same JSON types (``tests/test_engine_queries.py`` compares them with a real Deep
 returns one of its pydantic blocks, zeroshard returns its own block for that key (the same fields and
 values), or ``None`` where DeepSpeed does; the entry's docstring notes every other difference.
 
-The engine methods DeepSpeed has and zeroshard neither implements (here, ``engine_methods.py``,
-``engine_surface.py``, ``engine.py``) nor forwards to the model are refused at use (engine_refused.py).
+The engine methods DeepSpeed has and zeroshard neither implements (here, ``methods.py``,
+``surface.py``, ``engine.py``) nor forwards to the model are refused at use (refused.py).
 """
 
 from __future__ import annotations
