@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import warnings
 from collections.abc import Callable, Iterable
@@ -22,19 +23,26 @@ from zeroshard.config import (
 )
 from zeroshard.core.buffers import BufferPool
 from zeroshard.core.comm import Comm
+from zeroshard.core.flat_param import FlatUnit, OptimizerSlice
 from zeroshard.core.grad_sync import GradientReducer
 from zeroshard.core.heartbeat import start as start_liveness
 from zeroshard.core.liveness import MONITOR
-from zeroshard.core.optimizer import ShardedStep, normalize_param_groups, reseat_optimizer, shard_param_groups
+from zeroshard.core.optimizer import (
+    ShardedStep,
+    normalize_param_groups,
+    reseat_optimizer,
+    shard_param_groups,
+)
 from zeroshard.core.reduction_groups import Averaging
 from zeroshard.core.stage3.gatherer import ParameterGatherer
 from zeroshard.core.stages import StagePlan, plan_for
-from zeroshard.core.units import UnitOptions, build_units
+from zeroshard.core.units import UnitOptions, UnitRules, build_units
 from zeroshard.core_config import loss_scaler_from_config, policy_from_config, unit_rules_from_config
 from zeroshard.dist import init_distributed, local_rank, training_device
 from zeroshard.errors import ArgumentError
 from zeroshard.lr_schedules import build_scheduler
-from zeroshard.offload.setup import build_offload
+from zeroshard.offload.setup import Offload, build_offload
+from zeroshard.offload.swapper import OptimizerStateSwapper
 from zeroshard.optim_factory import build_optimizer, check_optimizer_for_stage
 from zeroshard.runtime.agreement import check_ranks_agree
 from zeroshard.runtime.data import ResumableDataLoader, build_loader
@@ -70,125 +78,193 @@ def initialize(
         rank's shards (the client's own object, re-seated, when one was given); ``dataloader`` is None unless
         ``training_data`` was given.
     """
+    model = _checked_model(model, mpu)
+    if dist_init_required is not False:
+        init_distributed()
+    comm = Comm(group)
+    start_liveness(comm)  # the heartbeat: see [Note: liveness] in core/liveness.py
+    with MONITOR.api("initialize"):
+        client_opt = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
+        cfg = _read_config(
+            model, resolve_config_source(config, config_params, args), client_opt, optimizer, comm
+        )
+        check_ranks_agree(model, cfg, comm)
+        plan = plan_for(cfg.zero_optimization.stage)
+        groups = normalize_param_groups(model, client_opt.param_groups if client_opt else model_parameters)
+        device = _place_model(model, comm)
+        parts = _build_units(model, cfg, plan, comm)
+        sharded_groups, slices = shard_param_groups(groups, parts.units)
+        opt = _build_optimizer(optimizer, cfg, sharded_groups, plan)
+        if parts.offload.optimizer_swapper is not None:
+            _bind_swapper(parts.offload.optimizer_swapper, slices, opt)
+        scheduler = _build_scheduler(lr_scheduler, cfg, opt)
+        engine = _assemble_engine(model, cfg, plan, comm, parts, slices, opt, scheduler, device)
+        loader = _build_dataloader(training_data, cfg, comm, collate_fn)
+        engine.training_dataloader = loader
+        return engine, opt, loader, scheduler
+
+
+def _checked_model(model: nn.Module | None, mpu: Any) -> nn.Module:
+    """The ``model=`` argument, refused with DeepSpeed's exception types when it is not a module."""
     if model is None:  # ArgumentError: also DeepSpeed's AssertionError ([Note: DeepSpeed's exception types])
         raise ArgumentError("initialize() needs model=: the torch.nn.Module to train")
     if not isinstance(model, nn.Module):
         raise TypeError(f"initialize(model=...) needs a torch.nn.Module, got {type(model).__name__}")
     if mpu is not None:
         raise ValueError("mpu= (model parallelism) is not supported by zeroshard: it is data parallel only")
-    if dist_init_required is not False:
-        init_distributed()
-    comm = Comm(group)
-    start_liveness(comm)  # the heartbeat: see [Note: liveness] in core/liveness.py
-    with MONITOR.api("initialize"):
-        source = resolve_config_source(config, config_params, args)
-        client_opt = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
-        with warnings.catch_warnings():
-            if comm.rank != 0:  # every rank validates; rank 0 alone tells the user
-                warnings.simplefilter("ignore", ConfigWarning)
-            cfg = load_config(
-                source,
-                world_size=comm.world_size,
-                hidden_size=_hidden_size(model),
-                model_dtype=next((p.dtype for p in model.parameters()), None),
-                client_optimizer=client_opt,
-                optimizer_given=optimizer is not None,
-            )
-        check_ranks_agree(model, cfg, comm)
-        plan = plan_for(cfg.zero_optimization.stage)
-        policy = policy_from_config(cfg)
-        rules = unit_rules_from_config(cfg)
-        if comm.rank == 0:
-            logger.info("zeroshard config:\n%s", cfg.dump())
+    return model
 
-        groups = normalize_param_groups(model, client_opt.param_groups if client_opt else model_parameters)
-        device = training_device(model, comm)
-        model.to(device)  # the same Parameter objects: the client optimizer and zero.Init's shards keep them
-        _broadcast_from_rank0(model, comm)
-        offload = build_offload(cfg, plan, policy, model, comm)
-        swapper = offload.optimizer_swapper
-        pool = BufferPool()  # transient flat buffers reused across units: see buffers.py, sized below
-        options = UnitOptions(offload.master_device, offload.on_unit, pool)
-        built = build_units(model, rules, plan, policy, comm, options)
-        units = built.units
-        # Idle buffers fill the room below the high-water mark plus two bucket-sized units ([Note: bounded
-        # units]), or the largest unit if smaller: the spare adds to peak RSS in every backward. On the
-        # large bench GPT at stage 3 one largest unit (its 64 MiB embedding) held the backward above
-        # FSDP2's peak; two bucket-sized units (32 MiB) cost about 30 pool misses per step, none at all
-        # about 80 ([Note: buffer reuse]).
-        itemsize = max(policy.compute.itemsize, policy.reduce.itemsize)
-        largest = max((u.layout.padded for u in units), default=0)
-        pool.spare_bytes = itemsize * min(largest, 2 * rules.unit_elements)
-        if policy.mixed:
-            # Frozen parameters and floating buffers follow the compute dtype; unit parameters already do.
-            model.to(dtype=policy.compute)
-        sharded_groups, slices = shard_param_groups(groups, units)
-        opt = _build_optimizer(optimizer, cfg, sharded_groups, plan)
-        if swapper is not None:
-            if opt is None:
-                raise ValueError(
-                    "zero_optimization.offload_optimizer.device 'nvme' needs an optimizer: pass "
-                    "optimizer= to initialize() or add an 'optimizer' block"
-                )
-            swapper.bind(slices, opt)
-        scheduler = _build_scheduler(lr_scheduler, cfg, opt)
 
-        reducer = GradientReducer(
-            units,
+def _read_config(
+    model: nn.Module,
+    source: Any,
+    client_opt: torch.optim.Optimizer | None,
+    optimizer: OptimizerArg,
+    comm: Comm,
+) -> ZeroshardConfig:
+    """Validate the ds_config on every rank; rank 0 alone warns and logs it."""
+    with warnings.catch_warnings():
+        if comm.rank != 0:
+            warnings.simplefilter("ignore", ConfigWarning)
+        cfg = load_config(
+            source,
+            world_size=comm.world_size,
+            hidden_size=_hidden_size(model),
+            model_dtype=next((p.dtype for p in model.parameters()), None),
+            client_optimizer=client_opt,
+            optimizer_given=optimizer is not None,
+        )
+    if comm.rank == 0:
+        logger.info("zeroshard config:\n%s", cfg.dump())
+    return cfg
+
+
+def _place_model(model: nn.Module, comm: Comm) -> torch.device:
+    """Move the model to this rank's device and start every rank from rank 0's values."""
+    device = training_device(model, comm)
+    model.to(device)  # the same Parameter objects: the client optimizer and zero.Init's shards keep them
+    _broadcast_from_rank0(model, comm)
+    return device
+
+
+@dataclasses.dataclass
+class _Parts:
+    """What ``_build_units`` makes: the units, where their state lives, and the shared buffer pool."""
+
+    units: list[FlatUnit]
+    module_units: list[tuple[nn.Module, list[FlatUnit]]]
+    offload: Offload
+    pool: BufferPool
+    rules: UnitRules
+
+
+def _build_units(model: nn.Module, cfg: ZeroshardConfig, plan: StagePlan, comm: Comm) -> _Parts:
+    policy = policy_from_config(cfg)
+    rules = unit_rules_from_config(cfg)
+    offload = build_offload(cfg, plan, policy, model, comm)
+    pool = BufferPool()  # transient flat buffers reused across units: see buffers.py, sized below
+    built = build_units(
+        model, rules, plan, policy, comm, UnitOptions(offload.master_device, offload.on_unit, pool)
+    )
+    # Idle buffers fill the room below the high-water mark plus two bucket-sized units ([Note: bounded
+    # units]), or the largest unit if smaller: the spare adds to peak RSS in every backward. On the
+    # large bench GPT at stage 3 one largest unit (its 64 MiB embedding) held the backward above
+    # FSDP2's peak; two bucket-sized units (32 MiB) cost about 30 pool misses per step, none at all
+    # about 80 ([Note: buffer reuse]).
+    itemsize = max(policy.compute.itemsize, policy.reduce.itemsize)
+    largest = max((u.layout.padded for u in built.units), default=0)
+    pool.spare_bytes = itemsize * min(largest, 2 * rules.unit_elements)
+    if policy.mixed:
+        # Frozen parameters and floating buffers follow the compute dtype; unit parameters already do.
+        model.to(dtype=policy.compute)
+    return _Parts(built.units, built.module_units, offload, pool, rules)
+
+
+def _bind_swapper(
+    swapper: OptimizerStateSwapper, slices: list[OptimizerSlice], opt: torch.optim.Optimizer | None
+) -> None:
+    """NVMe optimizer offload swaps the optimizer's state per shard slice: it needs an optimizer."""
+    if opt is None:
+        raise ValueError(
+            "zero_optimization.offload_optimizer.device 'nvme' needs an optimizer: pass "
+            "optimizer= to initialize() or add an 'optimizer' block"
+        )
+    swapper.bind(slices, opt)
+
+
+def _build_sync(
+    model: nn.Module, cfg: ZeroshardConfig, plan: StagePlan, comm: Comm, parts: _Parts
+) -> tuple[GradientReducer, ParameterGatherer | None]:
+    """The gradient reducer (every stage) and, at stage 3, the parameter gatherer, wired together."""
+    reducer = GradientReducer(
+        parts.units,
+        comm,
+        plan,
+        Averaging(comm.world_size, cfg.prescale_gradients, cfg.gradient_predivide_factor),
+        overlap_comm=cfg.zero_optimization.overlap_comm,
+        pool=parts.pool,
+        # Coalesced stage-3 buckets are bounded like stage 0-2 units ([Note: bounded units]): with
+        # MAX_INFLIGHT reductions in flight, larger ones would hold that many times their size.
+        bucket_elements=parts.rules.unit_elements,
+    )
+    reducer.register_hooks()
+    if not parts.module_units:
+        return reducer, None
+    zero = cfg.zero_optimization
+    gatherer = ParameterGatherer(
+        parts.module_units,
+        comm.new_channel(),  # parameter gathers on their own group: see Comm.new_channel
+        prefetch_elements=zero.prefetch_bucket_size,
+        max_live_elements=zero.max_live_parameters,
+        max_reuse_distance=zero.max_reuse_distance,
+        pool=parts.pool,
+    )
+    gatherer.register(model)
+    reducer.on_reduced = gatherer.on_reduced
+    reducer.backward_gathers = lambda: not gatherer.gather_free  # [Note: bounded reductions]
+    gatherer.on_last_gather = reducer.retire_launched  # [Note: trim before the backward's end]
+    return reducer, gatherer
+
+
+def _assemble_engine(
+    model: nn.Module,
+    cfg: ZeroshardConfig,
+    plan: StagePlan,
+    comm: Comm,
+    parts: _Parts,
+    slices: list[OptimizerSlice],
+    opt: torch.optim.Optimizer | None,
+    scheduler: Any,
+    device: torch.device,
+) -> ZeroshardEngine:
+    """Wire the units to the reducer, the gatherer and the sharded step, and make the engine over them."""
+    reducer, gatherer = _build_sync(model, cfg, plan, comm, parts)
+    trained = TrainedParameters(parts.units, gatherer, comm)
+    install_state_dict_hooks(model, trained)
+    return ZeroshardEngine(
+        model,
+        config=cfg,
+        plan=plan,
+        comm=comm,
+        units=parts.units,
+        reducer=reducer,
+        sharded_step=ShardedStep(
+            parts.units,
+            slices,
             comm,
             plan,
-            Averaging(comm.world_size, cfg.prescale_gradients, cfg.gradient_predivide_factor),
-            overlap_comm=cfg.zero_optimization.overlap_comm,
-            pool=pool,
-            # Coalesced stage-3 buckets are bounded like stage 0-2 units ([Note: bounded units]): with
-            # MAX_INFLIGHT reductions in flight, larger ones would hold that many times their size.
-            bucket_elements=rules.unit_elements,
-        )
-        reducer.register_hooks()
-        gatherer = None
-        if built.module_units:
-            zero = cfg.zero_optimization
-            gatherer = ParameterGatherer(
-                built.module_units,
-                comm.new_channel(),  # parameter gathers on their own group: see Comm.new_channel
-                prefetch_elements=zero.prefetch_bucket_size,
-                max_live_elements=zero.max_live_parameters,
-                max_reuse_distance=zero.max_reuse_distance,
-                pool=pool,
-            )
-            gatherer.register(model)
-            reducer.on_reduced = gatherer.on_reduced
-            reducer.backward_gathers = lambda: not gatherer.gather_free  # [Note: bounded reductions]
-            gatherer.on_last_gather = reducer.retire_launched  # [Note: trim before the backward's end]
-        trained = TrainedParameters(units, gatherer, comm)
-        install_state_dict_hooks(model, trained)
-        engine = ZeroshardEngine(
-            model,
-            config=cfg,
-            plan=plan,
-            comm=comm,
-            units=units,
-            reducer=reducer,
-            sharded_step=ShardedStep(
-                units,
-                slices,
-                comm,
-                plan,
-                allgather_bucket_size=cfg.zero_optimization.allgather_bucket_size,
-                swapper=swapper,
-            ),
-            offload=offload,
-            optimizer=opt,
-            lr_scheduler=scheduler,
-            local_rank=local_rank(),
-            device=device,
-            loss_scaler=loss_scaler_from_config(cfg),
-            gatherer=gatherer,
-            trained=trained,
-        )
-        loader = _build_dataloader(training_data, cfg, comm, collate_fn)
-        engine.training_dataloader = loader
-        return engine, opt, loader, scheduler
+            allgather_bucket_size=cfg.zero_optimization.allgather_bucket_size,
+            swapper=parts.offload.optimizer_swapper,
+        ),
+        offload=parts.offload,
+        optimizer=opt,
+        lr_scheduler=scheduler,
+        local_rank=local_rank(),
+        device=device,
+        loss_scaler=loss_scaler_from_config(cfg),
+        gatherer=gatherer,
+        trained=trained,
+    )
 
 
 def _hidden_size(model: nn.Module) -> int | None:
