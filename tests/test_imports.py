@@ -3,7 +3,7 @@
 and ``zeroshard.core`` imports nothing outside itself.
 
 A cycle here is a design smell before it is a runtime error: a module that needs its importer should take
-what it needs as an argument or a protocol (see ``checkpoint/state.py``, ``core/flat_param.ShardStore``).
+what it needs as an argument or a protocol (see ``checkpoint/state.py``, ``core/shard_store.ShardStore``).
 """
 
 from __future__ import annotations

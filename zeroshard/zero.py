@@ -144,7 +144,7 @@ class GatheredParameters:
                     comm.broadcast(
                         unit.full, src=self.modifier_rank, what="GatheredParameters broadcast"
                     ).wait()
-                    unit.copy_full_to_master()
+                    unit.full_to_master()
         finally:
             if self.enabled:
                 set_available(self._held, False)  # before the release: never AVAILABLE while empty

@@ -23,22 +23,15 @@ it is part of the model state at the step.
 At stage 0 the shard world is 1: a rank's "shard" is the whole unit, which is how stage 0 steps everything
 without a code path of its own.
 
-[Note: shard stores]
-A unit does not know where its shards live. It holds a :class:`ShardStore` and goes through it for the
-four things that depend on it: this rank's parameter shard (what a stage-3 gather reads, and when that
-read is done), stepped master values to write into the parameters, parameter values changed by hand to
-take into the master, and the tensors the optimizer steps. :class:`InMemoryShards`, the default, keeps
-them in the unit's own buffers: the master, or this rank's slice of the full buffer. The offload stores
-(``zeroshard/offload/unit_store.py``) keep the master in an NVMe file between steps and, with
-``offload_param``, the parameter shard as well; the offload set-up hands one to a unit as it is built.
-With ``master_device`` (CPU offload beside a GPU) the master lives in CPU memory and the step runs there.
+A unit reaches its shards through the store it holds (``shard_store.py`` [Note: shard stores]): stepped
+master values go into the parameters with :meth:`FlatUnit.master_to_full`, parameters changed by hand go
+into the master with :meth:`FlatUnit.full_to_master`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 from torch import nn
@@ -47,91 +40,8 @@ from zeroshard.core.buffers import BufferPool
 from zeroshard.core.comm import Comm, Pending
 from zeroshard.core.layout import FlatLayout, Piece
 from zeroshard.core.precision import DtypePolicy
+from zeroshard.core.shard_store import InMemoryShards, ShardStore
 from zeroshard.core.stages import StagePlan
-
-
-class ShardStore(Protocol):
-    """One unit's shards between uses. Every method takes the unit it belongs to."""
-
-    @property
-    def prefetches(self) -> bool:
-        """Whether :meth:`prefetch` starts anything (the gatherer reads ahead only for such stores)."""
-        ...
-
-    def param_shard(self, unit: FlatUnit) -> torch.Tensor:
-        """This rank's shard of the parameters as stored between uses: what a stage-3 gather reads."""
-        ...
-
-    def prefetch(self, unit: FlatUnit) -> None:
-        """Start bringing :meth:`param_shard` into memory ahead of a gather."""
-        ...
-
-    def gathered(self, unit: FlatUnit) -> None:
-        """The gather that read :meth:`param_shard` is done: an in-memory copy read for it may go."""
-        ...
-
-    def write_stepped(self, unit: FlatUnit, start: int, values: torch.Tensor) -> None:
-        """Stepped master values for shard elements ``start:start + numel``: write them into the
-        parameters as stored (``values`` is cast to their dtype)."""
-        ...
-
-    def master_stepped(self, unit: FlatUnit) -> None:
-        """The optimizer stepped the unit's in-memory ``master``: write it into the parameters as stored."""
-        ...
-
-    def take_full(self, unit: FlatUnit, shard: torch.Tensor) -> None:
-        """This rank's slice of the full parameters was changed in place: make it the master's value."""
-        ...
-
-    def master_piece(self, unit: FlatUnit, start: int, numel: int) -> torch.Tensor:
-        """The tensor the optimizer steps for master elements ``start:start + numel``."""
-        ...
-
-    def held_param_shard(self) -> torch.Tensor | None:
-        """A parameter shard the store keeps in memory besides the unit's buffers, if any (for the memory
-        accounting)."""
-        ...
-
-
-class InMemoryShards:
-    """The default store: the master and the parameters live in the unit's own buffers."""
-
-    prefetches = False
-
-    def param_shard(self, unit: FlatUnit) -> torch.Tensor:
-        return unit.master if unit.plan.shard_parameters else unit.own_full_shard()
-
-    def prefetch(self, unit: FlatUnit) -> None:
-        return None
-
-    def gathered(self, unit: FlatUnit) -> None:
-        return None
-
-    def write_stepped(self, unit: FlatUnit, start: int, values: torch.Tensor) -> None:
-        self.param_shard(unit)[start : start + values.numel()].copy_(values)
-
-    def master_stepped(self, unit: FlatUnit) -> None:
-        copy_master_into_full(unit)
-
-    def take_full(self, unit: FlatUnit, shard: torch.Tensor) -> None:
-        if shard.data_ptr() != unit.master.data_ptr():
-            unit.master.copy_(shard)
-
-    def master_piece(self, unit: FlatUnit, start: int, numel: int) -> torch.Tensor:
-        return unit.master[start : start + numel]
-
-    def held_param_shard(self) -> torch.Tensor | None:
-        return None
-
-
-def copy_master_into_full(unit: FlatUnit) -> None:
-    """Write ``unit``'s in-memory master into this rank's slice of its full buffer (a cast, if the dtypes
-    differ). Nothing at stage 3, where the next gather reads the master itself."""
-    if unit.plan.shard_parameters:
-        return
-    shard = unit.own_full_shard()
-    if shard.data_ptr() != unit.master.data_ptr():
-        shard.copy_(unit.master, non_blocking=unit.host_to_device)  # see start_gather
 
 
 @dataclass(frozen=True)
@@ -194,7 +104,8 @@ class FlatUnit:
         self.master = master if master is not None else self.full[lo:hi]
         self.shapes = [p.shape for p in self.params]
         self.separate_master = separate_master
-        self.store: ShardStore = InMemoryShards()  # where the shards live between uses: [Note: shard stores]
+        # Where the shards live between uses: shard_store.py [Note: shard stores].
+        self.store: ShardStore[FlatUnit] = InMemoryShards()
         self._gathering: Pending | None = None
         self.pool: BufferPool | None = None  # the initial full buffer is not the pool's
         if plan.shard_parameters:
@@ -322,7 +233,7 @@ class FlatUnit:
         if not self.gathered and self._gathering is None:
             self.store.prefetch(self)
 
-    def move_master(self, store: ShardStore) -> torch.Tensor:
+    def move_master(self, store: ShardStore[FlatUnit]) -> torch.Tensor:
         """Hand the separate master over to ``store``, which keeps it from now on (an offload store): return
         it and leave an empty placeholder in ``master``."""
         if not self.separate_master or not isinstance(self.store, InMemoryShards):
@@ -334,24 +245,23 @@ class FlatUnit:
         self.store = store
         return master
 
-    def take_stepped_master(self, start: int, master: torch.Tensor) -> None:
-        """Write stepped master values (shard elements ``start:start + numel``) into the parameters."""
-        self.store.write_stepped(self, start, master)
+    def master_to_full(self, values: torch.Tensor | None = None, start: int = 0) -> None:
+        """Write stepped master values into the parameters, through the store: ``values`` for shard elements
+        ``start:start + numel`` (stepped outside the unit, e.g. by the NVMe swapper), or by default the whole
+        in-memory ``master`` after the optimizer stepped it. Nothing to do where the parameters' shard is the
+        master itself (stage 3 in memory, fp32 at stages 0-2 without a separate master)."""
+        self.store.master_to_full(self, values, start)
 
-    def copy_master_to_full(self) -> None:
-        """The optimizer stepped the master: bring the parameters up to date (see ``ShardStore``)."""
-        self.store.master_stepped(self)
+    def full_to_master(self) -> None:
+        """Take this rank's slice of ``full`` (modified in place, e.g. by load_state_dict) into the master."""
+        shard = self.own_full_shard()
+        if shard.numel():
+            self.store.full_to_master(self, shard)
 
     @property
     def host_to_device(self) -> bool:
         """Whether the master lives in CPU memory beside a GPU (pinned: copies to the GPU may be async)."""
         return self.device.type == "cuda" and self.master.device.type == "cpu"
-
-    def copy_full_to_master(self) -> None:
-        """Take this rank's slice of ``full`` (modified in place, e.g. by load_state_dict) into the master."""
-        shard = self.own_full_shard()
-        if shard.numel():
-            self.store.take_full(self, shard)
 
     @property
     def keeps_full_grad(self) -> bool:

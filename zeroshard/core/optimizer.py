@@ -332,7 +332,7 @@ class ShardedStep:
         between uses (stage 3) are left alone: their next gather reads the master.
         """
         for unit in self.units:
-            unit.copy_master_to_full()
+            unit.master_to_full()
         on_host = [u for u in self.units if u.device.type == "cuda" and u.master.device.type == "cpu"]
         for device in {u.device for u in on_host}:
             torch.cuda.current_stream(device).synchronize()  # the masters may change once this returns

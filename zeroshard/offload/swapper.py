@@ -148,7 +148,7 @@ class OptimizerStateSwapper:
         its sub-group is stepped: the same operations the in-memory step applies to all at once.
 
         Pipelined as in [Note: sub-group stepping]; the stepped masters are written into the parameters
-        (``FlatUnit.take_stepped_master``). Sub-groups with no gradient anywhere are not read at all.
+        (``FlatUnit.master_to_full``). Sub-groups with no gradient anywhere are not read at all.
         """
         opt = self._require_optimizer()
         work = [
@@ -292,7 +292,7 @@ class OptimizerStateSwapper:
                     view.copy_(value)
         writes = []
         if res.master is not None:
-            g.unit.take_stepped_master(g.start, res.master)
+            g.unit.master_to_full(res.master, g.start)
             writes.append((self.store.write(g.key("master"), res.master), res.master))
         for name, buf in res.state.items():
             writes.append((self.store.write(g.key(name), buf), buf))

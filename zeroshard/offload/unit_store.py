@@ -8,7 +8,7 @@ for gathers to read. With ``offload_param.device: nvme`` that copy lives in a fi
 (``param_swap.py``, [Note: parameter shards on NVMe]). The parameters are the truth a stale master is
 re-derived from: values changed by hand only mark the master ``stale``, and the swapper refreshes it from
 the parameter shard when it next reads it. The unit sees none of this: it holds an
-:class:`OffloadedMaster` as its :class:`~zeroshard.core.flat_param.ShardStore` ([Note: shard stores]).
+:class:`OffloadedMaster` as its :class:`~zeroshard.core.shard_store.ShardStore` ([Note: shard stores]).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Protocol
 
 import torch
 
-from zeroshard.core.flat_param import FlatUnit, copy_master_into_full
+from zeroshard.core.flat_param import FlatUnit
 
 
 class ShardHome(Protocol):
@@ -85,23 +85,24 @@ class OffloadedMaster:
         if self._home is not None:
             self._home.drop(unit)
 
-    def write_stepped(self, unit: FlatUnit, start: int, values: torch.Tensor) -> None:
+    def master_to_full(self, unit: FlatUnit, values: torch.Tensor | None = None, start: int = 0) -> None:
+        if values is None:
+            # Stepped in place: only a master made resident for a checkpoint load
+            # (OptimizerStateSwapper.resident) is in memory. At stages 0-2 it goes into the full buffer as an
+            # in-memory one does; at stage 3 the swapper writes it here, as a range, when the block ends.
+            if unit.master.numel() and not unit.plan.shard_parameters:
+                unit.own_full_shard().copy_(unit.master, non_blocking=unit.host_to_device)
+            return
         if self._home is not None:
             self._home.store_range(unit, start, values)
         else:
             self.param_shard(unit)[start : start + values.numel()].copy_(values)
 
-    def master_stepped(self, unit: FlatUnit) -> None:
-        # The swapper wrote each stepped sub-group through write_stepped; a master made resident for a
-        # checkpoint load (OptimizerStateSwapper.resident) is written like an in-memory one.
-        if unit.master.numel():
-            copy_master_into_full(unit)
-
-    def take_full(self, unit: FlatUnit, shard: torch.Tensor) -> None:
+    def full_to_master(self, unit: FlatUnit, full_shard: torch.Tensor) -> None:
         if self._home is not None:
-            self._home.store_range(unit, 0, shard)
+            self._home.store_range(unit, 0, full_shard)
         elif self._param_shard is not None:
-            self._param_shard.copy_(shard)
+            self._param_shard.copy_(full_shard)
         self.stale = True
 
     def master_piece(self, unit: FlatUnit, start: int, numel: int) -> torch.Tensor:

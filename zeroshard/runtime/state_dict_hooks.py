@@ -66,7 +66,7 @@ def install_state_dict_hooks(model: nn.Module, trained: TrainedParameters) -> No
 
     def write_back_and_release(*_: Any) -> None:
         for unit in loading.pop() if loading else []:
-            unit.copy_full_to_master()
+            unit.full_to_master()
         release()
 
     model.register_state_dict_pre_hook(warn_if_placeholders)

@@ -362,7 +362,7 @@ class ParameterGatherer:
         finally:
             for unit in units:
                 if write_back:
-                    unit.copy_full_to_master()
+                    unit.full_to_master()
                 self._users[unit.index] -= 1
                 # In backward, a unit whose gradients are still to come stays gathered until they are
                 # reduced (on_reduced) or backward ends: autograd lays each gradient out like its
