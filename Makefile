@@ -40,6 +40,7 @@ help:
 	@echo "make test-cuda     tests/test_cuda.py on a machine with a CUDA GPU (the CUDA paths)"
 	@echo "make lint          ruff check + ruff format --check + mypy zeroshard + tools/check_sizes.py (size budget)"
 	@echo "make deepspeed-inventory / deepspeed-surface   reread DeepSpeed's public names; rewrite docs/deepspeed-surface.md"
+	@echo "make benchmarks-page   rewrite docs/benchmarks.md's tables from bench/results/*.json (runs no benchmark)"
 	@echo "make format        ruff format + ruff check --fix"
 	@echo "make install       create $(VENV) and install torch==$(TORCH_VERSION) and zeroshard[dev] into it"
 	@echo "make bench         zeroshard vs DDP, ZeRO-1, FSDP2, DeepSpeed (bench/peers.py); bench-quick: smoke"
@@ -105,6 +106,12 @@ deepspeed-inventory: $(STAMP)
 
 deepspeed-surface: $(STAMP)
 	CUDA_VISIBLE_DEVICES= $(PY) tools/deepspeed_surface_report.py
+
+# docs/benchmarks.md's tables, from the committed results (tools/benchmarks_page.py; tests/test_benchmarks_page.py
+# fails when the page differs). A benchmark rewrites its JSON; this then rewrites the page.
+.PHONY: benchmarks-page
+benchmarks-page: $(STAMP)
+	$(PY) tools/benchmarks_page.py
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

@@ -1,0 +1,287 @@
+"""The figure tables of docs/benchmarks.md, each rendered from committed ``bench/results/*.json``.
+
+Every renderer takes ``load`` (a results file name under ``bench/results/`` -> its parsed JSON) and returns
+the Markdown between one pair of generated markers: the machine the figures were measured on (as far as the
+JSON records it), then the table. Nothing here runs a benchmark; ``tools/benchmarks_page.py`` places the text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+Load = Callable[[str], Any]
+MIB = 2**20
+GIB = 2**30
+
+
+def machine_line(m: dict[str, Any] | None, torch: str | None = None) -> str:
+    """The "Measured on: ..." line from a results file's ``machine`` block (or only its torch version)."""
+    m = m or {}
+    parts = []
+    if m.get("cpus"):
+        parts.append(f"{m['cpus']} CPUs")
+    if m.get("memory_gib"):
+        parts.append(f"{m['memory_gib']} GiB RAM")
+    if m.get("python"):
+        parts.append(f"Python {m['python']}")
+    if m.get("torch") or torch:
+        parts.append(f"torch {m.get('torch') or torch}")
+    if m.get("platform"):
+        parts.append(m["platform"])
+    return f"Measured on: {', '.join(parts)}." if parts else ""
+
+
+def _join(*pieces: str) -> str:
+    return "\n\n".join(p for p in pieces if p)
+
+
+def _exp(x: float) -> str:
+    """``1.7e-7`` (no zero-padded exponent); ``0`` for zero."""
+    if x == 0:
+        return "0"
+    mantissa, exponent = f"{x:.1e}".split("e")
+    return f"{mantissa}e{int(exponent)}"
+
+
+def span(values: list[float], fmt: str = ".0f") -> str:
+    """``a-b`` over values that differ after formatting, else the one value."""
+    lo, hi = f"{min(values):{fmt}}", f"{max(values):{fmt}}"
+    return lo if lo == hi else f"{lo}-{hi}"
+
+
+def step_time(load: Load) -> str:
+    doc = load("step_time.json")
+    m = doc["machine"]
+    run = (
+        f"{doc['settings']['rounds']} rounds, {doc['wall_s'] / 60:.0f} min; load average "
+        f"{m['loadavg_before'][0]:.1f} before and {m['loadavg_after'][0]:.1f} after."
+    )
+    lines = [
+        "| model | system | median step (ms) | min / max (ms) | × DDP (per round) | model state / rank (MiB) "
+        "| collectives / step |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for model, summary in doc["summary"].items():
+        n = next(iter(summary.values()))["num_parameters"]
+        label = f"{model} ({n / 1e3:.0f}k)" if n < 1e6 else f"{model} ({n / 1e6:.1f}M)"
+        for name, s in summary.items():
+            per_round = ", ".join(f"{r:.2f}" for r in s["ratio_to_ddp_per_round"])
+            calls = s["comm_calls_per_step_by_op"]
+            calls_text = ", ".join(f"{k} {v:g}" for k, v in sorted(calls.items())) if calls else ""
+            lines.append(
+                f"| {label} | {name} | {1e3 * s['median_s']:.1f} | {1e3 * s['min_s']:.1f} / "
+                f"{1e3 * s['max_s']:.1f} | **{s['ratio_to_ddp']:.2f}** ({per_round}) "
+                f"| {s['model_state_bytes'] / MIB:.1f} | {calls_text} |"
+            )
+    return _join(machine_line(m) + " " + run, "\n".join(lines))
+
+
+def comm_ops(load: Load) -> str:
+    doc = load("comm_ops.json")
+    lines = [
+        "| W | elements per shard | op | gloo collective (ms) | direct exchange (ms) | gloo / direct |",
+        "|---|---|---|---|---|---|",
+    ]
+    keyed = {(r["world_size"], r["shard_elements"], r["op"], r["system"]): r["median_s"] for r in doc["rows"]}
+    for w, n, op in sorted({(r["world_size"], r["shard_elements"], r["op"]) for r in doc["rows"]}):
+        t, z = keyed[(w, n, op, "torch")], keyed[(w, n, op, "zeroshard")]
+        lines.append(f"| {w} | {n:,} | {op} | {t * 1e3:.2f} | {z * 1e3:.2f} | {t / z:.2f} |")
+    return _join(machine_line(doc["machine"]), "\n".join(lines))
+
+
+def compile_table(load: Load) -> str:
+    doc = load("compile.json")
+    lines = [
+        "| stage | eager (ms) | compiled (ms) | eager / compiled | graphs (unchanged after warm-up) |",
+        "|---|---|---|---|---|",
+    ]
+    for r in doc["rows"]:
+        stable = "yes" if r["graphs_stable"] else "no"
+        lines.append(
+            f"| {r['stage']} | {r['eager_s'] * 1e3:.1f} | {r['compiled_s'] * 1e3:.1f} | {r['speedup']:.2f} "
+            f"| {r['graphs']} ({stable}) |"
+        )
+    backend = f"Backend `{doc['config']['backend']}`."
+    return _join(machine_line(None, doc["torch"]) + " " + backend, "\n".join(lines))
+
+
+def activation_memory(load: Load) -> str:
+    doc = load("activation_memory.json")
+    lines = [
+        "| sequence length | checkpointing | peak RSS above baseline (MiB) | held after forward (MiB) "
+        "| most parameters gathered at once (MiB) | model state (MiB) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in doc["rows"]:
+        lines.append(
+            f"| {r['seq_len']} | {'yes' if r['checkpointing'] else 'no'} "
+            f"| {r['peak_rss_above_baseline_bytes'] / MIB:.0f} | {r['held_after_forward_bytes'] / MIB:.0f} "
+            f"| {r['peak_gathered_bytes'] / MIB:.0f} | {r['model_state_bytes'] / MIB:.0f} |"
+        )
+    run = f"{doc['wall_s'] / 60:.1f} min."
+    return _join(machine_line(None, doc["torch"]) + " " + run, "\n".join(lines))
+
+
+# The rows of bench/cpu_adam.py's results shown, in this order: (variant, threads, tensors, label, bold).
+CPU_ADAM_ROWS = [
+    ("torch-adamw-loop", 1, 200, "torch AdamW, for-loop (torch's CPU default)", False),
+    ("torch-adamw-foreach", 1, 200, "torch AdamW, foreach", False),
+    ("torch-adamw-fused", 1, 200, "torch AdamW, fused", True),
+    ("zeroshard-DeepSpeedAdam", 1, 200, "zeroshard DeepSpeedAdam (only for `bias_correction: false`)", False),
+    ("deepspeed-cpu-adam", 1, 200, "DeepSpeedCPUAdam", False),
+    ("torch-adamw-fused", 2, 200, "torch AdamW, fused", False),
+    ("deepspeed-cpu-adam", 2, 200, "DeepSpeedCPUAdam", False),
+    ("torch-adamw-fused", 1, 1, "torch AdamW, fused", False),
+    ("deepspeed-cpu-adam", 1, 1, "DeepSpeedCPUAdam", False),
+]
+
+
+def cpu_adam(load: Load) -> str:
+    doc = load("cpu_adam.json")
+    rows = {(r["variant"], r["threads"], r["tensors"]): r for r in doc["summary"]}
+    lines = [
+        "| variant | threads | tensors | Mparams/s | × DeepSpeedCPUAdam | max rel diff vs torch foreach |",
+        "|---|---|---|---|---|---|",
+    ]
+    for variant, threads, tensors, label, bold in CPU_ADAM_ROWS:
+        r = rows[(variant, threads, tensors)]
+        if "error" in r:
+            lines.append(f"| {label} | {threads} | {tensors} | not measured: {r['error']} | | |")
+            continue
+        b = "**" if bold else ""
+        ratio = "n/a" if r["x_deepspeed"] is None else f"{b}{r['x_deepspeed']:.2f}{b}"
+        lines.append(
+            f"| {b}{label}{b} | {threads} | {tensors} | {b}{r['params_per_s'] / 1e6:.0f}{b} | {ratio} "
+            f"| {_exp(r['max_rel_diff'])} |"
+        )
+    m = doc["machine"]
+    ds = f"DeepSpeed {doc['deepspeed']['deepspeed']}; CPU capability {m['cpu_capability']}."
+    return _join(machine_line(m) + " " + ds, "\n".join(lines))
+
+
+NVME_DEFAULT = "threads=2 block=1024K qd=8"
+
+
+def _nvme_label(config: str) -> str:
+    """``threads=2 block=1024K qd=8`` -> ``store, 2 threads, 1 MiB × 8``."""
+    fields = dict(part.split("=") for part in config.split())
+    threads, block = int(fields["threads"]), int(fields["block"].rstrip("K")) // 1024
+    label = f"store, {threads} thread{'s' if threads > 1 else ''}, {block} MiB × {fields['qd']}"
+    if config == "threads=1 block=1024K qd=8":
+        label += " (DeepSpeed's aio defaults)"
+    return label
+
+
+def nvme_io(load: Load) -> str:
+    doc = load("nvme_io.json")
+    ref = doc["raw_reference"]
+    lines = [
+        "| config | write GB/s | read GB/s | % raw write | % raw read |",
+        "|---|---|---|---|---|",
+    ]
+    for bs, v in doc["raw"].items():
+        lines.append(
+            f"| raw, dd bs={bs} | {v['write'] / 1e9:.2f} | {v['read'] / 1e9:.2f} "
+            f"| {100 * v['write'] / ref['write']:.0f} | {100 * v['read'] / ref['read']:.0f} |"
+        )
+    for row in doc["store"]:
+        if row["config"] == NVME_DEFAULT:
+            lines.append(
+                f"| **{_nvme_label(row['config'])} (zeroshard's default)** | {row['write_Bps'] / 1e9:.2f} "
+                f"| {row['read_Bps'] / 1e9:.2f} "
+                f"| **{row['pct_raw_write']:.0f}** | **{row['pct_raw_read']:.0f}** |"
+            )
+            continue
+        lines.append(
+            f"| {_nvme_label(row['config'])} | {row['write_Bps'] / 1e9:.2f} | {row['read_Bps'] / 1e9:.2f} "
+            f"| {row['pct_raw_write']:.0f} | {row['pct_raw_read']:.0f} |"
+        )
+    run = f"{doc['rounds']} rounds of {doc['bytes_per_pass'] / 1e9:.1f} GB in `{doc['directory']}`."
+    return _join(machine_line(doc["machine"]) + " " + run, "\n".join(lines))
+
+
+OFFLOAD_LABELS = {"optimizer + params on NVMe": "optimizer + parameters on NVMe"}
+
+
+def offload(load: Load) -> str:
+    doc = load("offload.json")
+    lines = [
+        "| variant | median step (s) | × in memory | read / written per step per rank (MB) "
+        "| I/O busy / waited per step (s) | I/O hidden | peak RSS per rank (MB) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, s in doc["summary"].items():
+        hidden = "-" if s["io_hidden_share"] is None else f"{s['io_hidden_share']:.0%}"
+        read, written = s["read_bytes_per_step_per_rank"], s["written_bytes_per_step_per_rank"]
+        lines.append(
+            f"| {OFFLOAD_LABELS.get(name, name)} | {s['median_step_s']:.2f} | {s['ratio_to_in_memory']:.2f} "
+            f"| {read / 1e6:.0f} / {written / 1e6:.0f} "
+            f"| {s['io_busy_s_per_step']:.2f} / {s['io_waited_s_per_step']:.2f} | {hidden} "
+            f"| {s['peak_rss_bytes'] / 1e6:.0f} |"
+        )
+    return _join(machine_line(None, doc["meta"]["torch"]), "\n".join(lines))
+
+
+def largest(load: Load) -> str:
+    doc = load("largest.json")
+    s = doc["summary"]
+    free = s["free_disk_bytes"] / 1e9
+    lines = [
+        "| mode | peak RSS per rank | NVMe files per rank | largest by RAM "
+        f"| largest by free disk ({free:.0f} GB) | largest here |",
+        "|---|---|---|---|---|---|",
+    ]
+    for key, label in (
+        ("in memory", "stage 3 in memory"),
+        ("nvme", "stage 3, optimizer + parameters on NVMe"),
+    ):
+        e = s[key]
+        rss = f"{e['rss_fixed_bytes'] / GIB:.2f} GiB + {e['rss_bytes_per_param_per_rank']:.1f} B × N"
+        disk_per = e.get("nvme_bytes_per_param_per_rank")
+        files = (
+            "-"
+            if disk_per is None
+            else f"{disk_per:.0f} B × N ({2 * disk_per:.0f} B per element of the shard)"
+        )
+        by_disk = f"{e['largest_by_disk'] / 1e9:.2f}B" if "largest_by_disk" in e else "-"
+        lines.append(
+            f"| {label} | {rss} | {files} | {e['largest_by_ram'] / 1e9:.2f}B | {by_disk} "
+            f"| **{e['largest'] / 1e9:.2f}B** |"
+        )
+    ram = (
+        f"RAM {s['ram_bytes'] / GIB:.1f} GiB, {s['ram_budget_bytes'] / GIB:.1f} GiB of it usable by the two "
+        "ranks."
+    )
+    v = doc.get("verify")
+    check = (
+        f"Verification run (`--verify-layers {v['n_layer']}`, {v['parameters'] / 1e6:.0f}M parameters): peak "
+        f"{v['peak_rss_per_rank'] / GIB:.2f} GiB per rank against {v['predicted_peak_rss'] / GIB:.2f} GiB "
+        "predicted by the fit."
+        if v
+        else ""
+    )
+    return _join(ram, "\n".join(lines), check)
+
+
+def gpu(load: Load) -> str:
+    doc = load("gpu.json")
+    base = next((r for r in doc["results"] if r.get("row") == "torch" and "median_s" in r), None)
+    lines = [
+        "| row | step ms (min–max) | vs torch | tokens/s | model TFLOP/s | peak GPU GiB "
+        "| GPU B/param between steps | model state B/param | peak RSS GiB |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in doc["results"]:
+        if "median_s" not in r:
+            lines.append(f"| {r['row']} | failed | | | | | | | |")
+            continue
+        ratio = f"{r['median_s'] / base['median_s']:.2f}×" if base else "–"
+        per_param = f"{r['model_state_bytes_per_param']:.1f}" if "model_state_bytes_per_param" in r else "–"
+        lines.append(
+            f"| {r['row']} | {r['median_s'] * 1e3:.0f} ({r['min_s'] * 1e3:.0f}–{r['max_s'] * 1e3:.0f}) "
+            f"| {ratio} | {r['tokens_per_s']:,.0f} | {r['model_tflops']:.0f} "
+            f"| {r['peak_gpu_bytes'] / GIB:.1f} | {r['gpu_bytes_after_step'] / r['params']:.1f} "
+            f"| {per_param} | {r['peak_rss_bytes'] / GIB:.1f} |"
+        )
+    return _join(f"Measured on: one {doc['device']}, torch {doc['torch']}.", "\n".join(lines))
