@@ -2,10 +2,12 @@
 
 [Note: atomic save]
 1. All ranks agree on the tag and a random token; rank 0 creates ``<save_dir>/.<tag>.tmp-<token>/``.
-2. Each rank writes its shard file there and fsyncs it, hashing the bytes as they are written.
-3. The file records (names, ranges, sizes, sha256) and RNG states go to rank 0 (``all_gather_object``);
-   a failure on any rank is raised on every rank and the temporary directory is removed.
-4. Rank 0 writes ``extra.safetensors`` and ``metadata.json``, fsyncs them and the directory; barrier.
+2. Each rank lists its shard's tensors; their ranges, the RNG states and data positions go to every rank
+   (``all_gather_object``) and rank 0 builds metadata.json's content (save_meta.py).
+3. Each rank writes its shard file there and fsyncs it, hashing the bytes as they are written; rank 0 also
+   writes ``extra.safetensors``. A failure on any rank is raised on every rank and the temporary directory
+   is removed. (An asynchronous save does this step on a background thread: [Note: async save].)
+4. The sizes and sha256 go to rank 0, which writes ``metadata.json``, fsyncs it and the directory.
 5. Rank 0 renames the directory to ``<save_dir>/<tag>`` (a tag saved before is first renamed aside to
    ``.<tag>.old-<token>``, which loading falls back to if a crash falls between the two renames), then
    replaces ``latest`` atomically (temp file, fsync, ``os.replace``), then deletes leftovers of
@@ -28,21 +30,19 @@ import logging
 import os
 import shutil
 import uuid
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from zeroshard.checkpoint import rng
+from zeroshard.checkpoint.async_write import CheckpointWriter, PendingSave, Records, named, remove_markers
 from zeroshard.checkpoint.common import (
-    Names,
     collectively,
     data_position,
     group_index,
     master_view,
-    module_names,
-    param_shape,
     slice_of,
-    untrained_state,
     written_pieces,
 )
 from zeroshard.checkpoint.errors import CheckpointError
@@ -50,7 +50,6 @@ from zeroshard.checkpoint.format import (
     EXTRA_FILE,
     FORMAT,
     METADATA_FILE,
-    VERSION,
     check_key_part,
     check_tag,
     encode,
@@ -64,7 +63,9 @@ from zeroshard.checkpoint.format import (
     write_metadata,
 )
 from zeroshard.checkpoint.reader import FIXED, SCALAR, VALUE, VECTOR
-from zeroshard.checkpoint.tensorfile import TensorSpec, dtype_name, fsync_dir, write_tensors
+from zeroshard.checkpoint.save_meta import build_metadata
+from zeroshard.checkpoint.tensorfile import TensorSpec, fsync_dir, write_tensors
+from zeroshard.core.comm import Comm
 from zeroshard.errors import ArgumentError
 
 if TYPE_CHECKING:
@@ -81,12 +82,18 @@ def save_checkpoint(
     save_latest: bool = True,
     exclude_frozen_parameters: bool = False,
     keep_last: int | None = None,
+    *,
+    writer: CheckpointWriter | None = None,
 ) -> str:
     """Save model, optimizer, scheduler, loss scaler, counters, RNG, the position of the data loader
     ``initialize(training_data=...)`` returned, and client state to ``save_dir/tag``.
 
     ``keep_last=N`` (opt-in; DeepSpeed keeps every tag) then deletes the oldest checkpoints of ``save_dir``
     beyond the newest ``N``, never the one just written nor the one ``latest`` names.
+
+    With a ``writer`` (whose previous save the caller has published), the save returns once this rank's
+    shards are copied to host memory; the writer writes them and :func:`finish_pending` publishes them
+    ([Note: async save]).
 
     See [Note: checkpoint format] and [Note: atomic save]. ``client_state`` may hold JSON values and
     tensors (nothing else: it is never pickled); a script with its own data loader keeps its position
@@ -95,7 +102,7 @@ def save_checkpoint(
     Collective: call on all ranks of the engine's group.
 
     Returns:
-        The checkpoint directory.
+        The checkpoint directory (with a ``writer``: where it will be once published).
     """
     if keep_last is not None and (
         isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1
@@ -107,31 +114,92 @@ def save_checkpoint(
     root = os.path.abspath(os.fspath(save_dir))
     tmp = os.path.join(root, temp_dir_name(tag, token))
     collectively(comm, f"creating {tmp}", lambda: _make_dir(tmp, root) if comm.rank == 0 else None)
+    save = PendingSave(root, tmp, tag, token, save_latest, keep_last, meta=None)
+    copy = writer is not None  # training changes the shards while the writer works: it needs copies
     try:
-        record = collectively(comm, f"writing checkpoint shards to {tmp}", lambda: _write_shard(engine, tmp))
+        entry, shard = collectively(
+            comm, f"copying checkpoint shards for {tmp}", lambda: _shard(engine, copy)
+        )
         gathered = comm.all_gather_object(
-            {"file": record, "rng": rng.get_rng_state(), "data": data_position(engine)}
+            {"file": entry, "rng": rng.get_rng_state(), "data": data_position(engine)}
         )
 
-        def finish() -> None:
-            if comm.rank == 0:
-                meta = _metadata(engine, tag, gathered, client_state, exclude_frozen_parameters, tmp)
-                write_metadata(os.path.join(tmp, METADATA_FILE), meta)
-                fsync_dir(tmp)
+        def describe() -> dict[str, torch.Tensor] | None:
+            if comm.rank != 0:
+                return None
+            sink: dict[str, torch.Tensor] = {}
+            save.meta = build_metadata(engine, tag, gathered, client_state, exclude_frozen_parameters, sink)
+            return {k: _host(v, copy) for k, v in sink.items()}
 
-        collectively(comm, f"writing {METADATA_FILE} in {tmp}", finish)
+        extra = collectively(comm, f"describing the checkpoint in {tmp}", describe)
+        job = _Files(tmp, comm.rank, shard, extra)
+        if writer is not None:
+            writer.submit(save, lambda: _write_files(job, background=True))
+            return os.path.join(root, tag)
+        records = collectively(comm, f"writing checkpoint files to {tmp}", lambda: _write_files(job))
     except BaseException:
         if comm.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
+    return _commit(comm, save, records)
+
+
+def finish_pending(comm: Comm, writer: CheckpointWriter) -> str | None:
+    """Wait for ``writer``'s pending save on every rank, then publish it; None if there is none.
+
+    A failure of the background write on any rank raises on every rank (naming the rank and the file) and
+    removes the temporary directory; ``latest`` still names the previous checkpoint.
+
+    Collective: call on all ranks of the engine's group.
+    """
+    save = writer.take_pending()
+    if save is None:
+        return None
+    try:
+        records = collectively(comm, f"writing checkpoint files to {save.tmp}", save.result.result)
+    except BaseException:
+        if comm.rank == 0:
+            shutil.rmtree(save.tmp, ignore_errors=True)
+        raise
+    return _commit(comm, save, records)
+
+
+def finish_at_exit(writer: CheckpointWriter) -> None:
+    """Publish ``writer``'s pending save without a collective (destroy, exit): see [Note: async save], 4."""
+    save = writer.pending
+    records = writer.close()
+    if records is None or save is None or save.meta is None:
+        return
+    _write_meta(save, [records])
+    _publish(save.root, save.tmp, save.tag, save.token, save.save_latest)
+    if save.keep_last is not None:
+        _prune(save.root, save.tag, save.keep_last)
+    logger.info("saved checkpoint %s at exit", os.path.join(save.root, save.tag))
+
+
+def _commit(comm: Comm, save: PendingSave, records: Records) -> str:
+    """Gather every rank's file records, write metadata.json and publish. Collective."""
+    gathered = comm.all_gather_object(records)
+    try:
+        collectively(
+            comm,
+            f"writing {METADATA_FILE} in {save.tmp}",
+            lambda: _write_meta(save, gathered) if comm.rank == 0 else None,
+        )
+    except BaseException:
+        if comm.rank == 0:
+            shutil.rmtree(save.tmp, ignore_errors=True)
+        raise
+    root, tag = save.root, save.tag
     final = os.path.join(root, tag)
     collectively(
         comm,
         f"publishing {final}",
-        lambda: _publish(root, tmp, tag, token, save_latest) if comm.rank == 0 else None,
+        lambda: _publish(root, save.tmp, tag, save.token, save.save_latest) if comm.rank == 0 else None,
     )
     if comm.rank == 0:
         logger.info("saved checkpoint %s", final)
+    keep_last = save.keep_last
     if keep_last is not None:
         collectively(
             comm,
@@ -139,6 +207,19 @@ def save_checkpoint(
             lambda: _prune(root, tag, keep_last) if comm.rank == 0 else None,
         )
     return final
+
+
+def _write_meta(save: PendingSave, gathered: list[Records]) -> None:
+    """Rank 0: complete the file table with every rank's sizes and checksums, write metadata.json."""
+    if save.meta is None:
+        raise RuntimeError(f"rank 0: checkpoint save: no metadata was built for {save.tmp}")
+    files = save.meta["files"]
+    for records in gathered:
+        for name, record in records.items():
+            files.setdefault(name, {}).update(record)
+    remove_markers(save.tmp)
+    write_metadata(os.path.join(save.tmp, METADATA_FILE), save.meta)
+    fsync_dir(save.tmp)
 
 
 def _prune(root: str, kept: str, keep_last: int) -> None:
@@ -191,11 +272,48 @@ def _classify(value: Any, numel: int) -> str:
     return VECTOR if value.dim() == 1 and value.numel() == numel else FIXED
 
 
-def _write_shard(engine: TrainingState, directory: str) -> dict[str, Any] | None:
-    """Write this rank's pieces of the masters and their optimizer state; None if it owns none."""
+@dataclass(frozen=True)
+class _Files:
+    """This rank's files of one save, ready to write: its shard (name, specs, tensors), rank 0's extra."""
+
+    tmp: str
+    rank: int
+    shard: tuple[str, list[TensorSpec], list[torch.Tensor]] | None
+    extra: dict[str, torch.Tensor] | None
+
+
+def _host(tensor: torch.Tensor, copy: bool) -> torch.Tensor:
+    """``tensor`` itself, or (``copy``) a copy in host memory that training cannot change."""
+    return tensor.detach().to("cpu", copy=True) if copy else tensor
+
+
+def _write_files(job: _Files, background: bool = False) -> Records:
+    """Write and fsync ``job``'s files; their sizes and checksums. In the background, errors name the file."""
+    records: Records = {}
+    path = job.tmp
+    try:
+        if job.shard is not None:
+            name, specs, tensors = job.shard
+            path = os.path.join(job.tmp, name)
+            meta = {"format": "pt", "producer": FORMAT, "rank": str(job.rank)}
+            record = write_tensors(path, specs, tensors, meta)
+            records[name] = {"bytes": record.nbytes, "sha256": record.sha256}
+        if job.extra is not None:
+            path = os.path.join(job.tmp, EXTRA_FILE)
+            write_extra(job.tmp, job.extra, records)
+    except Exception as err:
+        if background:
+            raise named(path, err) from err
+        raise
+    return records
+
+
+def _shard(engine: TrainingState, copy: bool) -> tuple[dict[str, Any] | None, Any]:
+    """This rank's file-table entry (sizes and checksums to come) and its shard's (name, specs, tensors):
+    its pieces of the masters and their optimizer state; (None, None) if it owns none."""
     pieces = written_pieces(engine)
     if not pieces:
-        return None
+        return None, None
     opt = engine.optimizer
     slices = slice_of(engine)
     groups = group_index(opt)
@@ -208,7 +326,7 @@ def _write_shard(engine: TrainingState, directory: str) -> dict[str, Any] | None
         start, end = piece.param_start, piece.param_start + piece.numel
         master = master_view(unit, piece)
         specs.append(TensorSpec(range_key(name, start, end), master.dtype, (piece.numel,)))
-        tensors.append(master)
+        tensors.append(_host(master, copy))
         sl = slices.get((unit.index, piece.index))
         kinds: dict[str, str] = {}
         values: dict[str, Any] = {}
@@ -222,85 +340,14 @@ def _write_shard(engine: TrainingState, directory: str) -> dict[str, Any] | None
                 values[key] = encode(value, f"optimizer.state[{name}].{key}", {})
             else:
                 specs.append(TensorSpec(range_key(name, start, end, key), value.dtype, tuple(value.shape)))
-                tensors.append(value)
+                tensors.append(_host(value, copy))
         group = groups.get(id(sl.master)) if sl is not None else None
         ranges.append(
             {"param": name, "start": start, "end": end, "group": group, "state": kinds, "values": values}
         )
     fname = shard_file_name(engine.comm.rank, engine.comm.world_size)
-    record = write_tensors(
-        os.path.join(directory, fname),
-        specs,
-        tensors,
-        {"format": "pt", "producer": FORMAT, "rank": str(engine.comm.rank)},
-    )
-    return {
-        "name": fname,
-        "bytes": record.nbytes,
-        "sha256": record.sha256,
-        "rank": engine.comm.rank,
-        "ranges": ranges,
-    }
-
-
-def _metadata(
-    engine: TrainingState,
-    tag: str,
-    gathered: list[dict[str, Any]],
-    client_state: dict[str, Any] | None,
-    exclude_frozen: bool,
-    directory: str,
-) -> dict[str, Any]:
-    """metadata.json's content; writes extra.safetensors (the tensors the JSON refers to) on the way."""
-    from zeroshard.version import __version__
-
-    sink: dict[str, torch.Tensor] = {}
-    names = module_names(engine.module, engine.units)
-    files = {
-        g["file"]["name"]: {k: v for k, v in g["file"].items() if k != "name"}
-        for g in gathered
-        if g["file"] is not None
-    }
-    meta: dict[str, Any] = {
-        "format": FORMAT,
-        "version": VERSION,
-        "zeroshard_version": __version__,
-        "tag": tag,
-        "world_size": engine.comm.world_size,
-        "stage": engine.plan.stage,
-        "master_dtype": dtype_name(engine.units[0].master.dtype if engine.units else torch.float32),
-        "parameters": {
-            name: {"shape": list(param_shape(unit, i)), "dtype": dtype_name(p.dtype), "unit": unit.index}
-            for unit in engine.units
-            for i, (name, p) in enumerate(zip(unit.names, unit.params, strict=True))
-        },
-        "aliases": names.aliases,
-        "state_dict_keys": names.state_keys,
-        "units": [
-            {"names": u.names, "world_size": u.layout.world_size, "padded": u.layout.padded}
-            for u in engine.units
-        ],
-        "files": files,
-        "module": _module_entries(engine, names, exclude_frozen, sink),
-        "optimizer": _optimizer_meta(engine, files, sink),
-        "lr_scheduler": _state_meta(engine.lr_scheduler, "lr_scheduler", sink),
-        "loss_scaler": _state_meta(getattr(engine, "loss_scaler", None), "loss_scaler", sink),
-        "counters": {
-            "global_steps": engine.global_steps,
-            "micro_steps": engine.micro_steps,
-            "global_samples": engine.global_samples,
-            "skipped_steps": engine.skipped_steps,
-            "gradient_accumulation_steps": engine.config.gradient_accumulation_steps,
-            "train_batch_size": engine.config.train_batch_size,
-        },
-        "rng": [encode(g["rng"], f"rng/{rank}", sink) for rank, g in enumerate(gathered)],
-        "data": _data_meta(gathered),
-        "client_state": encode(client_state or {}, "client_state", sink),
-        "config": engine.config.to_dict(),
-        "hf_config": _hf_config(engine.module),
-    }
-    write_extra(directory, sink, files)
-    return meta
+    entry = {"name": fname, "bytes": 0, "sha256": "", "rank": engine.comm.rank, "ranges": ranges}
+    return entry, (fname, specs, tensors)
 
 
 def write_extra(directory: str, sink: dict[str, torch.Tensor], files: dict[str, Any]) -> None:
@@ -311,73 +358,6 @@ def write_extra(directory: str, sink: dict[str, torch.Tensor], files: dict[str, 
         os.path.join(directory, EXTRA_FILE), specs, list(sink.values()), {"format": "pt", "producer": FORMAT}
     )
     files[EXTRA_FILE] = {"bytes": record.nbytes, "sha256": record.sha256, "rank": None, "ranges": []}
-
-
-def _module_entries(
-    engine: TrainingState, names: Names, exclude_frozen: bool, sink: dict[str, torch.Tensor]
-) -> dict[str, Any]:
-    """The module's untrained state (frozen parameters, buffers, extra state): tensors into ``sink``."""
-    entries: dict[str, Any] = {}
-    for key, value in untrained_state(engine.module, names).items():
-        if isinstance(value, torch.Tensor):
-            if exclude_frozen and isinstance(value, torch.nn.Parameter):
-                continue
-            sink[f"module/{key}"] = value.detach()
-            entries[key] = {"key": f"module/{key}", "dtype": dtype_name(value.dtype)}
-            if isinstance(value, torch.nn.Parameter):  # a frozen parameter, not a buffer
-                entries[key]["parameter"] = True
-        else:
-            entries[key] = {"value": encode(value, f"module.{key}", sink)}
-    return entries
-
-
-def _optimizer_meta(engine: TrainingState, files: dict[str, Any], sink: dict[str, torch.Tensor]) -> Any:
-    opt = engine.optimizer
-    if opt is None:
-        return None
-    members: list[list[str]] = [[] for _ in opt.param_groups]
-    for entry in files.values():
-        for r in entry["ranges"]:
-            if r["group"] is not None and r["param"] not in members[r["group"]]:
-                members[r["group"]].append(r["param"])
-    groups = []
-    for gi, group in enumerate(opt.param_groups):
-        hyper = {k: v for k, v in group.items() if k != "params"}
-        groups.append(
-            {"hyperparameters": encode(hyper, f"optimizer/param_groups[{gi}]", sink), "params": members[gi]}
-        )
-    return {"class": f"{type(opt).__module__}.{type(opt).__qualname__}", "param_groups": groups}
-
-
-def _state_meta(obj: Any, what: str, sink: dict[str, torch.Tensor]) -> Any:
-    if obj is None or not callable(getattr(obj, "state_dict", None)):
-        return None
-    return {
-        "class": f"{type(obj).__module__}.{type(obj).__qualname__}",
-        "state": encode(obj.state_dict(), what, sink),
-    }
-
-
-def _data_meta(gathered: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The data loader's position (runtime/data.py [Note: data position]); ranks in lockstep agree."""
-    positions = [g["data"] for g in gathered]
-    if any(p != positions[0] for p in positions):
-        logger.warning(
-            "the ranks' data loaders are at different positions %s: saving rank 0's (a resumed run starts "
-            "every rank there)",
-            positions,
-        )
-    return positions[0]  # type: ignore[no-any-return]
-
-
-def _hf_config(module: torch.nn.Module) -> Any:
-    """A Hugging Face model's config as a dict, so that an offline conversion can write config.json."""
-    to_json = getattr(getattr(module, "config", None), "to_json_string", None)
-    if not callable(to_json):
-        return None
-    import json
-
-    return json.loads(to_json(use_diff=False))
 
 
 def _publish(root: str, tmp: str, tag: str, token: str, save_latest: bool) -> None:

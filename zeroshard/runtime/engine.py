@@ -27,7 +27,7 @@ from zeroshard.config import ZeroshardConfig
 from zeroshard.core.comm import Comm
 from zeroshard.core.flat_param import FlatUnit
 from zeroshard.core.grad_sync import GradientReducer
-from zeroshard.core.liveness import MONITOR, collective_api
+from zeroshard.core.liveness import collective_api
 from zeroshard.core.loss_scaler import LossScaleFloorError, LossScaler
 from zeroshard.core.memory import MemoryBreakdown, measure
 from zeroshard.core.optimizer import ShardedStep
@@ -36,7 +36,7 @@ from zeroshard.core.stage3.gatherer import ParameterGatherer
 from zeroshard.core.stages import StagePlan
 from zeroshard.errors import UsageError
 from zeroshard.offload.setup import Offload
-from zeroshard.runtime.checkpointing import CheckpointMethods
+from zeroshard.runtime.checkpointing import CheckpointMethods, close_checkpoint_writer
 from zeroshard.runtime.data import ResumableDataLoader
 from zeroshard.runtime.nonfinite import loss_scale_floor_error, stop_or_warn
 from zeroshard.runtime.queries import DeepSpeedQueries
@@ -120,7 +120,7 @@ class ZeroshardEngine(DeepSpeedQueries, CheckpointMethods):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._cast_inputs is not None:  # fp16.auto_cast: floating inputs follow the fp16 parameters
             args, kwargs = cast_floating((args, kwargs), self._cast_inputs)
-        with self.telemetry.timer("forward"), MONITOR.api("engine.forward", self.global_steps):
+        with self.telemetry.timer("forward"), self.comm.monitor.api("engine.forward", self.global_steps):
             return self._forward(args, kwargs)
 
     def _forward(self, args: Any, kwargs: Any) -> Any:
@@ -151,7 +151,7 @@ class ZeroshardEngine(DeepSpeedQueries, CheckpointMethods):
 
         Collective: call on all ranks, once per micro-batch.
         """
-        with MONITOR.api("engine.backward", self.global_steps):
+        with self.comm.monitor.api("engine.backward", self.global_steps):
             return self._backward(loss, retain_graph, scale_wrt_gas)
 
     def _backward(self, loss: torch.Tensor, retain_graph: bool, scale_wrt_gas: bool) -> torch.Tensor:
@@ -187,7 +187,7 @@ class ZeroshardEngine(DeepSpeedQueries, CheckpointMethods):
 
         Collective: call on all ranks, once per micro-batch, after ``backward``.
         """
-        with MONITOR.api("engine.step", self.global_steps):
+        with self.comm.monitor.api("engine.step", self.global_steps):
             self._step(lr_kwargs)
 
     def _step(self, lr_kwargs: dict[str, Any] | None) -> None:
@@ -327,7 +327,9 @@ class ZeroshardEngine(DeepSpeedQueries, CheckpointMethods):
 
     def destroy(self) -> None:
         """Flush and close the monitors, remove zeroshard's hooks and this rank's offload files, and free the
-        idle buffers the pool keeps for reuse (buffers.py [Note: buffer reuse])."""
+        idle buffers the pool keeps for reuse (buffers.py [Note: buffer reuse]). An asynchronous save in
+        flight is finished first, without a collective ([Note: async save])."""
+        close_checkpoint_writer(self)
         self.telemetry.close()
         self.offload.close()
         self.reducer.remove_hooks()
