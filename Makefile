@@ -41,6 +41,7 @@ help:
 	@echo "make lint          ruff check + ruff format --check + mypy zeroshard + tools/check_sizes.py (size budget)"
 	@echo "make deepspeed-inventory / deepspeed-surface   reread DeepSpeed's public names; rewrite docs/deepspeed-surface.md"
 	@echo "make benchmarks-page   rewrite docs/benchmarks.md's tables from bench/results/*.json (runs no benchmark)"
+	@echo "make elasticity-reference   rerun DeepSpeed 0.19.6's compute_elastic_config (pip-downloaded) into tests/data/"
 	@echo "make format        ruff format + ruff check --fix"
 	@echo "make install       create $(VENV) and install torch==$(TORCH_VERSION) and zeroshard[dev] into it"
 	@echo "make bench         zeroshard vs DDP, ZeRO-1, FSDP2, DeepSpeed (bench/peers.py); bench-quick: smoke"
@@ -112,6 +113,13 @@ deepspeed-surface: $(STAMP)
 .PHONY: benchmarks-page
 benchmarks-page: $(STAMP)
 	$(PY) tools/benchmarks_page.py
+
+# tests/data/elasticity_reference.json: DeepSpeed 0.19.6's own elastic batch search over a table of inputs
+# (tools/elasticity_reference.py downloads the 0.19.6 sdist; DeepSpeed 0.19.8 removed elasticity), which
+# tests/test_elasticity.py compares zeroshard's with.
+.PHONY: elasticity-reference
+elasticity-reference: $(STAMP)
+	$(PY) tools/elasticity_reference.py
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

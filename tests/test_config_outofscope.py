@@ -100,11 +100,6 @@ FEATURES: list[tuple[dict[str, Any], tuple[str, ...], dict[str, Any]]] = [
         {"data_efficiency": {"enabled": False}},
     ),
     (
-        {"elasticity": {"enabled": True, "max_train_batch_size": 64}},
-        ("elastic training",),
-        {"elasticity": {"enabled": False}},
-    ),
-    (
         {"autotuning": {"enabled": True, "fast": False}},
         ("autotuner",),
         {"autotuning": {"enabled": False, "fast": False}},

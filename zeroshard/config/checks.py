@@ -39,8 +39,8 @@ are checked and the lists against each other, and `initialize()` checks the leng
 
 [Note: out-of-scope features] A feature counts as turned on (rules also in docs/config.md):
 - blocks with an `enabled` switch (flops_profiler, torch_autocast, amp, progressive_layer_drop,
-  eigenvalue, curriculum_learning, data_efficiency, quantize_training, expert_parallel, elasticity,
-  autotuning, hybrid_engine, nebula): when `enabled` is true;
+  eigenvalue, curriculum_learning, data_efficiency, quantize_training, expert_parallel, autotuning,
+  hybrid_engine, nebula): when `enabled` is true;
 - blocks without one (activation_checkpointing, compile, tensor_parallel, pipeline): when any value
   differs from DeepSpeed's default;
 - sparse_attention, zenflow, datastates_ckpt, weight_quantization: when present (DeepSpeed turns them on

@@ -8,7 +8,9 @@ so that `checks.py` can tell whether a config turns the feature on. Defaults fol
 (`compile/config.py`, `runtime/tensor_parallel/config.py`, `runtime/constants.py`,
 `autotuning/constants.py`, `elasticity/constants.py`, `runtime/config.py`, `nebula/constants.py`,
 `profiling/constants.py`, `activation_checkpointing/config.py`). Blocks whose content DeepSpeed passes on
-unchecked (amp, pipeline, compression_training, ...) are kept as given.
+unchecked (amp, pipeline, compression_training, ...) are kept as given. The `elasticity` block is declared
+here too, for its keys, types and defaults, although zeroshard applies it (`elasticity.py`, which also checks
+its ranges, as DeepSpeed does, only when it is enabled).
 """
 
 from __future__ import annotations
@@ -173,17 +175,21 @@ _AUTOTUNING: dict[str, Setting] = {
 }
 
 _ELASTICITY: dict[str, Setting] = {
-    "enabled": (Bool, False, "Elastic training."),
+    "enabled": (Bool, False, "Choose the batch triad by DeepSpeed's elastic search."),
     "max_train_batch_size": (Int, 2000, "Largest acceptable train batch size."),
     "micro_batch_sizes": (list[Int], [2, 4, 6], "Acceptable micro batch sizes."),
-    "min_gpus": (Int, 1, "Fewest GPUs."),
-    "max_gpus": (Int, 10000, "Most GPUs."),
-    "num_gpus_per_node": (Int, 1, "GPUs per node."),
-    "model_parallel_size": (Int, 1, "Model-parallel size."),
-    "min_time": (Int, 0, "Minutes before rescaling."),
-    "prefer_larger_batch": (Bool, True, "Prefer the larger batch size."),
-    "ignore_non_elastic_batch_info": (Bool, False, "Ignore batch keys outside the elasticity block."),
-    "version": (Float, 0.2, "Elasticity algorithm version."),
+    "min_gpus": (Int, 1, "Fewest GPUs the batch must suit."),
+    "max_gpus": (Int, 10000, "Most GPUs the batch must suit."),
+    "num_gpus_per_node": (Int, 1, "GPUs per node (version 0.2 searches over nodes)."),
+    "model_parallel_size": (Int, 1, "Model-parallel size (above 1 needs version 0.2)."),
+    "min_time": (Float, 0, "Minutes before a scheduler may rescale the job (read by schedulers only)."),
+    "prefer_larger_batch": (Bool, True, "Among equally elastic batches, take the larger."),
+    "ignore_non_elastic_batch_info": (
+        Bool,
+        False,
+        "Replace batch keys given beside the block, not refuse them.",
+    ),
+    "version": (Float, 0.2, "Search version: 0.1 (per GPU) or 0.2 (per node)."),
 }
 
 _HYBRID_ENGINE: dict[str, Setting] = {

@@ -4,8 +4,9 @@ flags).
 
 The steps: read the source with limits (`read.py`: UTF-8, finite numbers, nesting depth, no duplicate
 keys; JSON, or Hjson as DeepSpeed reads files); rewrite deprecated keys, apply the unknown-key policy and
-rename aliases (`keys.py`); check the blocks of features zeroshard does not implement (`features.py`);
-resolve "auto" and complete the batch triad (`resolve.py`); validate types and ranges (pydantic, messages
+rename aliases (`keys.py`); check the feature blocks (`features.py`); with `elasticity.enabled`, take the
+batch triad from DeepSpeed's elastic search (`elasticity.py`); resolve "auto" and complete the batch triad
+(`resolve.py`); validate types and ranges (pydantic, messages
 from `keys.py`); check rules across settings and build the optimizer and scheduler over a stand-in
 (`checks.py`); warn about features zeroshard does not implement. All problems are collected and raised
 together; all warnings are emitted at the end and kept on the config.
@@ -16,13 +17,15 @@ from __future__ import annotations
 import argparse
 import os
 import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from pydantic import ValidationError
 
 from zeroshard.config.checks import check_config, out_of_scope_warnings
-from zeroshard.config.errors import ConfigWarning, Problems
+from zeroshard.config.elasticity import ElasticityConfigError, ElasticityError, elastic_batch
+from zeroshard.config.errors import ConfigError, ConfigWarning, Problems, show
 from zeroshard.config.features import check_feature_blocks
 from zeroshard.config.keys import (
     Paths,
@@ -34,7 +37,16 @@ from zeroshard.config.keys import (
     user_spelling,
 )
 from zeroshard.config.read import MAX_DEPTH, ConfigSource, read_source
-from zeroshard.config.resolve import GAS, MICRO, TRAIN, AutoContext, BatchSizes, resolve_auto, resolve_batch
+from zeroshard.config.resolve import (
+    GAS,
+    MICRO,
+    TRAIN,
+    TRIAD,
+    AutoContext,
+    BatchSizes,
+    resolve_auto,
+    resolve_batch,
+)
 from zeroshard.config.schema import ZeroshardConfig
 
 __all__ = [
@@ -157,6 +169,72 @@ def _validate(
         return None
 
 
+def _elastic_triad(
+    given: Any, checked: dict[str, Any], world_size: int, problems: Problems, notes: list[str]
+) -> type[ElasticityError] | None:
+    """With `elasticity.enabled`, sets the batch triad in `checked` from the block as DeepSpeed 0.19.6's
+    config does ([Note: elasticity]); returns the error class to raise when that failed."""
+    block = checked["elasticity"]
+    try:
+        batch = elastic_batch(given, world_size)
+    except ElasticityError as err:
+        problems.add(str(err))
+        return type(err)
+    present = [key for key in TRIAD if key in checked]
+    if present and not block["ignore_non_elastic_batch_info"]:
+        problems.add(
+            f"{', '.join(present)}: not allowed beside an enabled elasticity block, which sets the batch "
+            f"sizes itself; delete them, or set elasticity.ignore_non_elastic_batch_info: true to have them "
+            f"ignored"
+        )
+        return ElasticityConfigError
+    elastic = {
+        TRAIN: batch.train_batch_size,
+        MICRO: batch.micro_batch_size,
+        GAS: batch.gradient_accumulation_steps,
+    }
+    if elastic[GAS] < 1:
+        problems.add(
+            f"elasticity: at world_size {world_size} the elastic {TRAIN} {elastic[TRAIN]} is less than one "
+            f"micro batch ({elastic[MICRO]}) per rank; raise max_train_batch_size or run on fewer ranks"
+        )
+        return ElasticityConfigError
+    for key in present:
+        notes.append(
+            f"{key}: {show(checked[key])} is replaced by {elastic[key]} from the elasticity block at "
+            f"world_size {world_size} (elasticity.ignore_non_elastic_batch_info is true)"
+        )
+    checked.update(elastic)
+    return None
+
+
+def _feature_blocks(
+    data: dict[str, Any], world_size: int, problems: Problems, notes: list[str]
+) -> tuple[dict[str, Any], type[ElasticityError] | None]:
+    """The feature blocks checked (`check_feature_blocks`), then an enabled elasticity block applied."""
+    given = data.get("elasticity")
+    checked = check_feature_blocks(data, problems)
+    block = checked.get("elasticity")
+    if not (isinstance(block, Mapping) and block.get("enabled")):
+        return checked, None
+    failed: type[ElasticityError] | None = ElasticityConfigError
+    if not any(line.startswith("elasticity") for line in problems.lines):  # else reported already
+        failed = _elastic_triad(given, checked, world_size, problems, notes)
+    if failed is not None:  # placeholder sizes, so the triad adds no problem of its own
+        checked.update({TRAIN: world_size, MICRO: 1, GAS: 1})
+    return checked, failed
+
+
+def _raise_problems(problems: Problems, origin: str, elastic_error: type[ElasticityError] | None) -> None:
+    """`problems.raise_if_any`, as DeepSpeed's elasticity class when an elasticity rule failed."""
+    try:
+        problems.raise_if_any(origin)
+    except ConfigError as err:
+        if elastic_error is None:
+            raise
+        raise elastic_error(str(err)) from None
+
+
 def load_config(
     source: ConfigSource,
     *,
@@ -201,7 +279,7 @@ def load_config(
     paths: Paths = {}
     data = canonicalize(data, ZeroshardConfig, problems, paths)
     user_spelling(paths, renamed)
-    data = check_feature_blocks(data, problems)
+    data, elastic_error = _feature_blocks(data, world_size, problems, notes)
     ctx = AutoContext(world_size, hidden_size, model_dtype, client_optimizer)
     data, given, auto = resolve_auto(data, ctx, problems)
     data = drop_auto(data, ZeroshardConfig)
@@ -210,7 +288,7 @@ def load_config(
     if cfg is not None:
         has_optimizer = client_optimizer is not None if optimizer_given is None else optimizer_given
         check_config(cfg, problems, notes, optimizer_given=has_optimizer)
-    problems.raise_if_any(origin)
+    _raise_problems(problems, origin, elastic_error)
     if cfg is None:  # unreachable: _validate records a problem whenever it returns None
         raise RuntimeError("config validation failed without reporting a problem")
     notes.extend(out_of_scope_warnings(cfg))

@@ -178,7 +178,7 @@ class ZeroshardConfig(Block):
     autotuning: _Feature = _defaults("autotuning")
     """Autotuner (no effect in zeroshard)."""
     elasticity: _Feature = _defaults("elasticity")
-    """Elastic training (no effect in zeroshard)."""
+    """DeepSpeed's elastic batch search; when enabled, it sets the batch triad (`elasticity.py`)."""
     hybrid_engine: _Feature = _defaults("hybrid_engine")
     """Hybrid engine (no effect in zeroshard)."""
     nebula: _Feature = _defaults("nebula")

@@ -88,7 +88,6 @@ OUT_OF_SCOPE: tuple[Feature, ...] = (
     Feature("progressive layer drop", "progressive_layer_drop", "enabled"),
     Feature("curriculum learning", "curriculum_learning", "enabled"),
     Feature("the data efficiency library", "data_efficiency", "enabled"),
-    Feature("elastic training", "elasticity", "enabled"),
     Feature("the autotuner", "autotuning", "enabled"),
     Feature("Apex AMP", "amp", "enabled"),
     Feature("torch.autocast", "torch_autocast", "enabled"),
