@@ -150,6 +150,9 @@ def test_the_core_rule_finds_every_kind_of_import(tmp_path: Path) -> None:
 RUNTIME_GLOBALS_ALLOWED = {
     # DeepSpeed's get_accelerator()/set_accelerator() is a process-wide choice by its API.
     "zeroshard.deepspeed.accelerator.real_accelerator._chosen",
+    # The heartbeats this process started, at most one per world (torch's default group is process-wide):
+    # the exit hook and shutdown_distributed stop them; a second engine over the world takes its monitor.
+    "zeroshard.watchdog.heartbeat._STARTED",
 }
 
 

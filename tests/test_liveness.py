@@ -5,7 +5,7 @@ disagree: one rank is killed (SIGKILL) during training, a save or a stage-3 ``fu
 (SIGSTOP: a process that closes no connection, as a vanished host), sleeps (a hang), or calls a collective
 API the other does not (``if rank == 0: engine.save_checkpoint(...)``). The surviving rank must raise
 ``zeroshard.CollectiveError`` naming itself, the API, the step and the rank that did not arrive, with the
-last-collectives table, within the bound [Note: liveness] in zeroshard/core/liveness.py promises for that
+last-collectives table, within the bound [Note: liveness] in zeroshard/watchdog/monitor.py promises for that
 case (heartbeat window 3 s and collective timeout 30 s here, 4 s for the hang).
 
 A killed rank cannot run the next sub-case, so the ranks are not spawned per test function as elsewhere:
@@ -320,8 +320,9 @@ def test_hung_peer_and_one_rank_only_calls_are_named() -> None:
 
 
 def test_records_judgement_and_table_without_processes(monkeypatch: pytest.MonkeyPatch) -> None:
-    from zeroshard.core.heartbeat import HEARTBEAT_ENV, heartbeat_window
-    from zeroshard.core.liveness import Monitor, judge, last_collectives
+    from zeroshard.watchdog.heartbeat import HEARTBEAT_ENV, heartbeat_window
+    from zeroshard.watchdog.monitor import LivenessMonitor
+    from zeroshard.watchdog.verdicts import judge, last_collectives
 
     for raw, expected in [("30", 30.0), ("0", 0.0), ("2.5", 2.5)]:
         monkeypatch.setenv(HEARTBEAT_ENV, raw)
@@ -332,7 +333,7 @@ def test_records_judgement_and_table_without_processes(monkeypatch: pytest.Monke
             heartbeat_window()
 
     # Rank 0 waits in save_checkpoint on group 0; what rank 1 published decides.
-    me = Monitor()
+    me = LivenessMonitor()
     with me.api("engine.step", 1):
         for _ in range(3):
             me.note("0", "all_reduce", "step checks")

@@ -75,8 +75,6 @@ ALLOWED: dict[str, int] = {
     "zeroshard.checkpoint.load:load_checkpoint": 69,
     # Write, publish, prune as collective phases; argument checks and pruning could be helpers.
     "zeroshard.checkpoint.save:save_checkpoint": 66,
-    # Store setup then link start; issue 31 item 1 rewrites it when the monitor stops being a global.
-    "zeroshard.core.heartbeat:start": 65,
     # A 40-line docstring of DeepSpeed's optimizer mapping; the body is ~20 lines.
     "zeroshard.optim_factory:build_optimizer": 64,
     # A 25-line Args docstring; argument validation could be a helper.

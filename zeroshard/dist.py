@@ -11,9 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zeroshard.core.comm import DEFAULT_TIMEOUT, Comm
-from zeroshard.core.heartbeat import halt as halt_liveness
-from zeroshard.core.heartbeat import stop as stop_liveness
-from zeroshard.core.liveness import MONITOR
+from zeroshard.watchdog import heartbeat
 
 logger = logging.getLogger(__name__)
 
@@ -128,14 +126,14 @@ def shutdown_distributed() -> None:
     Destroying a gloo group while a peer is still tearing down its side of the connection can abort
     the process at exit ("terminate called without an active exception"); the entry check (bounded by the
     collective timeout) makes every rank leave together, and names the ranks still in another collective
-    API. The heartbeat stops first. Does nothing without a process group.
+    API. The heartbeats stop first. Does nothing without a process group.
     """
     if not (dist.is_available() and dist.is_initialized()):
         return
-    comm = Comm()
-    with MONITOR.api("shutdown"):
+    comm = Comm(monitor=heartbeat.monitor_for_world())
+    with comm.monitor.api("shutdown"):
         comm.check_entry("shutdown", None)
-        halt_liveness()  # no heartbeat reaches rank 0's store after the barrier, which closes it
+        heartbeat.halt_all()  # no heartbeat reaches rank 0's store after the barrier, which closes it
         comm.barrier(what="shutdown barrier")
-    stop_liveness()
+    heartbeat.stop_all()
     dist.destroy_process_group()

@@ -21,9 +21,8 @@ from torch import nn
 from zeroshard.core.comm import Comm
 from zeroshard.core.ds_attrs import present, set_available
 from zeroshard.core.flat_param import FlatUnit
-from zeroshard.core.heartbeat import start as start_liveness
 from zeroshard.core.layout import FlatLayout
-from zeroshard.core.liveness import MONITOR
+from zeroshard.core.liveness import NullMonitor
 from zeroshard.core.owners import OwnerRegistry, ParameterMap
 from zeroshard.core.partitioned import Partition, full_value, partition_entry, track
 from zeroshard.core.stage3 import saved_views
@@ -31,6 +30,7 @@ from zeroshard.core.stage3.gatherer import ParameterGatherer
 from zeroshard.core.stage3.module_marks import register_external_parameter
 from zeroshard.dist import init_distributed
 from zeroshard.offload.malloc import keep_large_blocks_mapped, release_free_memory
+from zeroshard.watchdog import heartbeat
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +109,9 @@ class GatheredParameters:
             for unit, gatherer, comm in self._owned
             if (gatherer is not None and unit.plan.shard_parameters) or self.modifier_rank is not None
         ]
-        self._stack.enter_context(MONITOR.api("GatheredParameters"))
+        reporting = [*comms, *(comm for _, _, comm in self._owned)]
+        monitor = reporting[0].monitor if reporting else NullMonitor()
+        self._stack.enter_context(monitor.api("GatheredParameters"))
         try:
             if comms:  # something to communicate: every rank must be here (see Comm.check_entry)
                 comms[0].check_entry("GatheredParameters", None)
@@ -249,7 +251,7 @@ class Init:
             # As DeepSpeed's Init: join the process group the launcher describes (a no-op without one, or
             # when one exists), so that a model built before initialize() is partitioned over it.
             init_distributed()
-        self.comm = Comm(data_parallel_group)
+        self.comm = Comm(data_parallel_group, monitor=heartbeat.monitor_for_world())
         self._handle: Any = None
         # This context's partitioned parameters; listed (track) until initialize() takes them all.
         self.partitioned: ParameterMap[Partition] = ParameterMap()
@@ -264,8 +266,8 @@ class Init:
 
     def __enter__(self) -> Init:
         if self.enabled:
-            start_liveness(self.comm)  # the heartbeat: see [Note: liveness] in core/liveness.py
-            self._api = MONITOR.api("zero.Init")
+            heartbeat.start(self.comm)  # see [Note: liveness] in watchdog/monitor.py
+            self._api = self.comm.monitor.api("zero.Init")
             self._api.__enter__()  # left in __exit__
             if self._offloading:
                 keep_large_blocks_mapped()

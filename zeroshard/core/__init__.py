@@ -14,6 +14,7 @@ values read from the validated config (``zeroshard/core_config.py``), and the en
   used outside their module, the gather check, and the marks users put on modules).
 - ``optimizer``, ``precision``, ``loss_scaler``: the sharded optimizer step and its dtype policy.
 - ``comm``, ``pending``: the one module that calls collectives, and waiting for them (timeouts, counts).
-- ``liveness``, ``heartbeat``: which API and collective each rank is in, dead or stuck peers named.
+- ``liveness``: ``CollectiveError`` and the ``Monitor`` protocol, what ``comm`` and ``pending`` tell the
+  liveness records (the records, the heartbeat and the naming of dead or stuck peers are in ``watchdog/``).
 - ``buffers``, ``memory``: the buffer pool, the accounting.
 """

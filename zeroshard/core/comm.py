@@ -23,9 +23,10 @@ ring algorithms' volume, and the bytes are counted as above. Messages are tagged
 position in this group's sequence, its size and its ``what`` (the unit it moves): ranks whose sequences
 diverged never pair messages of different sizes (gloo aborts the process on that) nor the same-sized
 shards of different units (silently wrong parameters). They wait instead, and the heartbeat names the
-collectives each rank launched at that point within a few seconds (``liveness.judge``), or the timeout
-does where no heartbeat runs. NCCL groups keep NCCL's collectives. The direct exchange sends W-1 messages
-per rank per collective: right for data-parallel groups of a few to a few tens of CPU ranks.
+collectives each rank launched at that point within a few seconds (``judge`` in
+zeroshard/watchdog/verdicts.py), or the timeout does where no heartbeat runs. NCCL groups keep NCCL's
+collectives. The direct exchange sends W-1 messages per rank per collective: right for data-parallel groups
+of a few to a few tens of CPU ranks.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zeroshard.core.liveness import APIS, MONITOR, CollectiveError
+from zeroshard.core.liveness import APIS, CollectiveError, Monitor, NullMonitor
 from zeroshard.core.pending import (
     DEFAULT_TIMEOUT,
     DONE,
@@ -66,14 +67,22 @@ class Comm:
     """Collectives over one data-parallel process group, with byte counting and timeouts.
 
     ``group=None`` with no initialized process group means world size 1: every collective is the identity.
-    ``timeout=None`` means :func:`collective_timeout`.
+    ``timeout=None`` means :func:`collective_timeout`. ``monitor`` is told of every collective and wait (the
+    liveness records, [Note: liveness] in zeroshard/watchdog/monitor.py); none: a :class:`NullMonitor`.
 
     Collective: every method that moves data must be called on all ranks of ``group``, in the same order.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None = None, timeout: datetime.timedelta | None = None):
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        timeout: datetime.timedelta | None = None,
+        *,
+        monitor: Monitor | None = None,
+    ):
         self.group = group
         self.timeout = timeout or collective_timeout()
+        self.monitor: Monitor = monitor if monitor is not None else NullMonitor()
         self.stats = CommStats()
         if dist.is_available() and dist.is_initialized():
             self.rank = dist.get_rank(group)
@@ -108,22 +117,23 @@ class Comm:
         (of the default group, as ``torch.distributed.new_group`` requires).
         """
         if self.world_size == 1:
-            twin = Comm(None, self.timeout)
+            twin = Comm(None, self.timeout, monitor=self.monitor)
         else:
             ranks = dist.get_process_group_ranks(self.group) if self.group is not None else None
-            twin = Comm(dist.new_group(ranks=ranks, timeout=self.timeout), self.timeout)
+            group = dist.new_group(ranks=ranks, timeout=self.timeout)
+            twin = Comm(group, self.timeout, monitor=self.monitor)
         twin.stats = self.stats
         return twin
 
     def _launch(self, what: str, kind: str, nbytes: int, fn: Any, *args: Any, **kwargs: Any) -> Pending:
         self.stats.add(kind, nbytes)
-        seq = MONITOR.note(self.key, kind, what)
+        seq = self.monitor.note(self.key, kind, what)
         work = self._start(seq, what, lambda: fn(*args, group=self.group, async_op=True, **kwargs))
         return Pending(work, what, self.rank, self.timeout, stats=self.stats, op=kind, channel=self, seq=seq)
 
     def _pending(self, start: Callable[[], Any], what: str, kind: str) -> Pending:
         """A control collective (not counted as traffic), numbered for the liveness records."""
-        seq = MONITOR.note(self.key, kind, what)
+        seq = self.monitor.note(self.key, kind, what)
         return Pending(self._start(seq, what, start), what, self.rank, self.timeout, channel=self, seq=seq)
 
     def _start(self, seq: int, what: str, start: Callable[[], Any]) -> Any:
@@ -131,11 +141,11 @@ class Comm:
         try:
             return start()
         except RuntimeError as err:
-            token = MONITOR.block(self.key, seq, what, self.ranks, self.breaker)
+            token = self.monitor.block(self.key, seq, what, self.ranks, self.breaker)
             try:
-                raise MONITOR.failure(token, err, self.rank, self.timeout, 0.0) from err
+                raise self.monitor.failure(token, err, self.rank, self.timeout, 0.0) from err
             finally:
-                MONITOR.unblock(token)
+                self.monitor.unblock(token)
 
     def all_reduce(
         self,
@@ -188,7 +198,7 @@ class Comm:
         if own.data_ptr() != shard.data_ptr():
             own.copy_(shard)
         tag = self._exchange_tag(n, shard.dtype, what)
-        seq = MONITOR.note(self.key, "all_gather", what)
+        seq = self.monitor.note(self.key, "all_gather", what)
 
         def start() -> list[Any]:
             works = []
@@ -222,7 +232,7 @@ class Comm:
         # in ``output`` itself (a + b == b + a); with more, every peer's chunk in a buffer of its own.
         inbox = [output] if world == 2 else list(torch.empty((world - 1, n), dtype=output.dtype))
         tag = self._exchange_tag(n, output.dtype, what)
-        seq = MONITOR.note(self.key, "reduce_scatter", what)
+        seq = self.monitor.note(self.key, "reduce_scatter", what)
         chunks: dict[int, torch.Tensor] = {rank: full[rank * n : (rank + 1) * n]}
 
         def start() -> list[Any]:
@@ -270,10 +280,10 @@ class Comm:
     @property
     def watched(self) -> bool:
         """Whether a wait on exchanges that the ranks issued differently fails within seconds, named, rather
-        than only at the timeout: a heartbeat runs (see [Note: liveness]). The same on every rank from the
-        heartbeat's start (collective) to its halt; should its store fail later, such a wait falls back
-        to the timeout."""
-        return self.direct and self.breaker is not None and MONITOR.link is not None
+        than only at the timeout: a heartbeat watches this group's monitor (see [Note: liveness]). The same on
+        every rank from the heartbeat's start (collective) to its halt; should its store fail later, such a
+        wait falls back to the timeout."""
+        return self.direct and self.breaker is not None and self.monitor.watched
 
     def broadcast_from_first(self, tensor: torch.Tensor, *, what: str = "broadcast") -> Pending:
         """Overwrite ``tensor`` with the group's first rank's copy. Collective: call on all ranks."""

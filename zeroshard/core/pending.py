@@ -1,6 +1,7 @@
 """Waiting for collectives: :class:`Pending` (one in flight, its wait bounded by a timeout), the byte and wait
 counts (:class:`CommStats`) and the timeout itself. ``comm.py`` launches the collectives; this module only
-waits for them, and on a failed or stuck wait raises the liveness records' :class:`CollectiveError`.
+waits for them, and on a failed or stuck wait raises the :class:`CollectiveError` the launching ``Comm``'s
+monitor makes of it.
 
 [Note: communication wait]
 ``CommStats.wait_s_by_op`` is the wall time spent inside ``Pending.wait()`` of the model-state collectives
@@ -25,7 +26,7 @@ from typing import Any, Protocol
 
 import torch
 
-from zeroshard.core.liveness import MONITOR, CollectiveError, Token
+from zeroshard.core.liveness import CollectiveError, Monitor
 
 
 class Channel(Protocol):
@@ -34,6 +35,7 @@ class Channel(Protocol):
     key: str  # the group's name in the liveness records
     ranks: tuple[int, ...]  # its global ranks
     breaker: Callable[[int], None] | None  # how the heartbeat thread ends a stuck wait (gloo only)
+    monitor: Monitor  # told that the wait blocks, and makes the error of a failed one
 
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
@@ -99,7 +101,7 @@ class Pending:
     With ``stats``, the time :meth:`wait` blocks is added to ``stats`` under ``op`` (see
     [Note: communication wait]). ``channel`` and ``seq`` (the launching :class:`Comm` and the collective's
     number on its group) let a failed or stuck wait raise :class:`CollectiveError` naming the ranks that did
-    not arrive (see [Note: liveness] in liveness.py).
+    not arrive (the channel's monitor: see [Note: liveness] in zeroshard/watchdog/monitor.py).
     """
 
     def __init__(
@@ -150,9 +152,9 @@ class Pending:
         start = time.monotonic()
         deadline = None if self._timeout is None else start + self._timeout.total_seconds()
         c = self._channel
-        token: Token | None = None
+        token: Any = None
         if c is not None:
-            token = MONITOR.block(c.key, self._seq, self._what, c.ranks, c.breaker, self._exchange)
+            token = c.monitor.block(c.key, self._seq, self._what, c.ranks, c.breaker, self._exchange)
         try:
             for work in works:
                 if deadline is None:
@@ -160,12 +162,13 @@ class Pending:
                 else:
                     work.wait(timeout=datetime.timedelta(seconds=max(0.001, deadline - time.monotonic())))
         except RuntimeError as err:
-            if token is None:
+            if c is None:
                 raise CollectiveError(f"rank {self._rank}: {self._what} failed: {err}") from err
-            raise MONITOR.failure(token, err, self._rank, self._timeout, time.monotonic() - start) from err
+            waited = time.monotonic() - start
+            raise c.monitor.failure(token, err, self._rank, self._timeout, waited) from err
         finally:
-            if token is not None:
-                MONITOR.unblock(token)
+            if c is not None:
+                c.monitor.unblock(token)
 
 
 DONE = Pending(None, "", 0, None)

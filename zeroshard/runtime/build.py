@@ -25,8 +25,6 @@ from zeroshard.core.buffers import BufferPool
 from zeroshard.core.comm import Comm
 from zeroshard.core.flat_param import FlatUnit, OptimizerSlice
 from zeroshard.core.grad_sync import GradientReducer
-from zeroshard.core.heartbeat import start as start_liveness
-from zeroshard.core.liveness import MONITOR
 from zeroshard.core.optimizer import (
     ShardedStep,
     normalize_param_groups,
@@ -48,6 +46,7 @@ from zeroshard.runtime.agreement import check_ranks_agree
 from zeroshard.runtime.data import ResumableDataLoader, build_loader
 from zeroshard.runtime.engine import ZeroshardEngine
 from zeroshard.runtime.state_dict_hooks import install_state_dict_hooks
+from zeroshard.watchdog import heartbeat
 from zeroshard.zero import TrainedParameters
 
 logger = logging.getLogger(__name__)
@@ -81,9 +80,11 @@ def initialize(
     model = _checked_model(model, mpu)
     if dist_init_required is not False:
         init_distributed()
-    comm = Comm(group)
-    start_liveness(comm)  # the heartbeat: see [Note: liveness] in core/liveness.py
-    with MONITOR.api("initialize"):
+    # The liveness records this engine's collectives report to, and their heartbeat ([Note: liveness] in
+    # watchdog/monitor.py).
+    comm = Comm(group, monitor=heartbeat.monitor_for_world())
+    heartbeat.start(comm)
+    with comm.monitor.api("initialize"):
         client_opt = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
         cfg = _read_config(
             model, resolve_config_source(config, config_params, args), client_opt, optimizer, comm

@@ -7,7 +7,7 @@ collectives that move different units. Two safeguards name the modules instead:
 * On gloo with a heartbeat running (``Comm.watched``), nothing is sent: the direct exchanges are tagged
   with the unit they move (comm.py [Note: direct exchange]), so messages of different units never pair,
   and the heartbeat, once the waits have lasted its grace (about 2 s), names the unit each rank launched
-  at that point (``liveness.judge``).
+  at that point (``watchdog.verdicts.judge``).
 * Otherwise (NCCL, the heartbeat off, or its store gone) every burst of parameter gathers (the units a
   module needs now plus those prefetched with them) comes with a small fixed-size collective: each rank's
   [fingerprint, count, first ``SHOWN`` unit indices]. It always matches in size, so the ranks meet in it

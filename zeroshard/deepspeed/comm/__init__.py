@@ -155,8 +155,9 @@ def barrier(
     if async_op or device_ids is not None:
         return dist.barrier(group=group, async_op=async_op, device_ids=device_ids)
     from zeroshard.core.comm import Comm
+    from zeroshard.watchdog.heartbeat import monitor_for_world
 
-    Comm(group).barrier(what="deepspeed.comm.barrier")
+    Comm(group, monitor=monitor_for_world()).barrier(what="deepspeed.comm.barrier")
     return None
 
 

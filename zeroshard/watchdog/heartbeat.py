@@ -1,10 +1,11 @@
-"""The heartbeat of [Note: liveness] (zeroshard/core/liveness.py): rank 0's store and a thread per process.
+"""The heartbeat of [Note: liveness] (monitor.py): rank 0's store and a thread per process.
 
 ``start`` (collective, from ``initialize`` and ``zero.Init``) shares the port of a ``TCPStore`` rank 0
 hosts; every process's daemon thread then bumps its counter there every ``interval`` and publishes its
-state when it changed, and, only while this process's wait has lasted the grace, reads its peers, decides
-why the wait cannot complete (``liveness.judge``) and breaks it. ``halt`` and ``stop`` end it (at
-``shutdown_distributed`` and at exit).
+monitor's state when it changed, and, only while a wait has lasted the grace, reads its peers, decides
+why the wait cannot complete (``verdicts.judge``) and breaks it. The heartbeats started are listed here
+(one per world: a new world stops the previous one's), so that ``halt_all`` and ``stop_all`` end them (at
+``shutdown_distributed`` and at exit) and ``monitor_for_world`` finds the monitor a heartbeat watches.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from zeroshard.core.liveness import MONITOR, Comm, Monitor, Token, describe, judge
+from zeroshard.core.comm import Comm
+from zeroshard.watchdog.monitor import LivenessMonitor
+from zeroshard.watchdog.verdicts import Token, describe, judge
 
 logger = logging.getLogger(__name__)
 # torch.distributed re-exports the store class without listing it in __all__.
@@ -48,11 +51,17 @@ def heartbeat_window() -> float:
     return seconds
 
 
-class _Link:
-    """The store and heartbeat thread of one process group (see [Note: liveness])."""
+class Link:
+    """The store and heartbeat thread of one world, watching one monitor (see [Note: liveness])."""
 
     def __init__(
-        self, monitor: Monitor, store: Any, rank: int, ranks: tuple[int, ...], window: float, world: Any
+        self,
+        monitor: LivenessMonitor,
+        store: Any,
+        rank: int,
+        ranks: tuple[int, ...],
+        window: float,
+        world: Any,
     ) -> None:
         self.monitor, self.store, self.rank, self.ranks, self.window = monitor, store, rank, ranks, window
         self.interval = min(1.0, window / 10)
@@ -224,27 +233,56 @@ class _Link:
         return states, notes
 
 
-def _same_world(link: _Link) -> bool:
+# The heartbeats this process started and has not stopped: at most one per world (``start`` stops the
+# others). Only ``start``, ``stop_all`` and ``monitor_for_world`` read or write it.
+_STARTED: list[Link] = []
+
+
+def _same_world(link: Link) -> bool:
     world = dist.group.WORLD
     ref = link.world
     return (ref() if isinstance(ref, weakref.ref) else ref) is world
 
 
+def monitor_for_world() -> LivenessMonitor:
+    """The monitor for a new ``Comm``: the one the heartbeat running on this world watches, so that every
+    engine of the process is watched, else a new one. Local."""
+    if dist.is_available() and dist.is_initialized():
+        for link in _STARTED:
+            if _same_world(link):
+                return link.monitor
+    return LivenessMonitor()
+
+
 def start(comm: Comm) -> None:
-    """Start this process's heartbeat for ``comm``'s group (see [Note: liveness]); nothing at world size 1,
-    with the heartbeat off, or when ``comm``'s group is not the whole world (its waits keep the timeout).
+    """Start a heartbeat watching ``comm.monitor`` (see [Note: liveness]); nothing at world size 1, with the
+    heartbeat off, when ``comm``'s group is not the whole world (its waits keep the timeout), when its
+    monitor is not a :class:`LivenessMonitor`, or when a heartbeat already watches this world.
 
     Collective: call on all ranks of ``comm``'s group (``initialize`` and ``zero.Init`` do).
     """
     window = heartbeat_window()
     if comm.world_size == 1 or window == 0 or comm.world_size != dist.get_world_size():
         return
-    link = MONITOR.link
-    if link is not None and _same_world(link):
+    monitor = comm.monitor
+    if not isinstance(monitor, LivenessMonitor) or any(_same_world(link) for link in _STARTED):
         return
-    if link is not None:
-        link.stop()
-        MONITOR.link = None
+    stop_all()  # a previous world's
+    new = _connect(comm, monitor, window)
+    if min(comm.agree(int(new is not None), what="heartbeat start")) == 0:
+        if new is not None:
+            new.store = None
+        return
+    assert new is not None
+    monitor.restart()
+    new.start()
+    monitor.link = new
+    _STARTED.append(new)
+
+
+def _connect(comm: Comm, monitor: LivenessMonitor, window: float) -> Link | None:
+    """The link to rank 0's store, with a first beat made; None where this rank has no store. Collective:
+    call on all ranks of ``comm``'s group (rank 0 shares its store's port)."""
     store: Any = None
     port = 0
     timeout = datetime.timedelta(seconds=max(5.0, window / 2))
@@ -271,43 +309,34 @@ def start(comm: Comm) -> None:
                 err,
             )
             store = None
-    new: _Link | None = None
-    if store is not None:
-        try:
-            world: Any = weakref.ref(dist.group.WORLD)
-        except TypeError:
-            world = dist.group.WORLD
-        ranks = (
-            tuple(dist.get_process_group_ranks(comm.group))
-            if comm.group is not None
-            else tuple(range(comm.world_size))
-        )
-        new = _Link(MONITOR, store, dist.get_rank(), ranks, window, world)
-        try:
-            new.beat()
-        except Exception:
-            new = None
-    if min(comm.agree(int(new is not None), what="heartbeat start")) == 0:
-        if new is not None:
-            new.store = None
-        return
-    assert new is not None
-    MONITOR.restart()
-    new.start()
-    MONITOR.link = new
+    if store is None:
+        return None
+    try:
+        world: Any = weakref.ref(dist.group.WORLD)
+    except TypeError:
+        world = dist.group.WORLD
+    group = comm.group
+    ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(comm.world_size))
+    link = Link(monitor, store, dist.get_rank(), ranks, window, world)
+    try:
+        link.beat()
+    except Exception:
+        return None
+    return link
 
 
-def halt() -> None:
-    """Stop this process's heartbeat thread, keeping the store (see ``shutdown_distributed``). Local."""
-    if MONITOR.link is not None:
-        MONITOR.link.halt()
+def halt_all() -> None:
+    """Stop the heartbeat threads, keeping their stores (see ``shutdown_distributed``). Local."""
+    for link in _STARTED:
+        link.halt()
 
 
-def stop(exiting: bool = False) -> None:
-    """Stop this process's heartbeat and close its store (rank 0: the store's server). Local."""
-    link, MONITOR.link = MONITOR.link, None
-    if link is not None:
+def stop_all(exiting: bool = False) -> None:
+    """Stop the heartbeats and close their stores (rank 0: the stores' servers). Local."""
+    while _STARTED:
+        link = _STARTED.pop()
+        link.monitor.link = None
         link.stop(exiting)
 
 
-atexit.register(stop, True)
+atexit.register(stop_all, True)
