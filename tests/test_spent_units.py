@@ -64,9 +64,9 @@ def _train(rank: int, model: ToyLM, retain_graph: bool = False) -> tuple[list[An
     log: list[tuple[str, bool, bool]] = []
     gatherer = engine.gatherer
     assert gatherer is not None
+    gatherer.on_reduced = functools.partial(_record, log, gatherer.on_reduced)  # the reducer calls it
     for step in range(3):
         log.clear()
-        engine.reducer.on_reduced = functools.partial(_record, log, gatherer.on_reduced)
         engine.comm.stats.reset()
         x, y = batch(step, 0, rank)
         engine.backward(engine(x, y), retain_graph=retain_graph)

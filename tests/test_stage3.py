@@ -17,6 +17,7 @@ from torch import nn
 import zeroshard
 from tests.distributed import run_distributed
 from zeroshard.core import grad_sync
+from zeroshard.core.stage3.phase import Phase
 
 WIDTH = 32
 
@@ -54,7 +55,7 @@ def _record_release(log: list[int], stats: Any, release: Any, unit: Any) -> None
 
 def _record_gather_free(log: list[bool], gatherer: Any, begin: Any) -> None:
     begin()
-    log.append(gatherer.gather_free)
+    log.append(gatherer.phase is Phase.GATHER_FREE_BACKWARD)
 
 
 def volume_and_memory(rank: int, world_size: int) -> dict[str, Any]:
@@ -136,13 +137,13 @@ def volume_and_memory(rank: int, world_size: int) -> dict[str, Any]:
     out["gather_free"] = steps
     # A gather asked for in a gather-free backward anyway (which could pair with a peer's wait) is refused
     # before anything is launched, on every rank alike; set by hand here: no model of this file asks for one.
-    gatherer.gather_free = True
+    gatherer._phase = Phase.GATHER_FREE_BACKWARD
     try:
         with engine.gathered_parameters():
             pass
     except RuntimeError as error:
         out["gather_free_refused"] = "gathered again in a backward that began with every unit" in str(error)
-    gatherer.gather_free = False
+    gatherer._phase = Phase.FORWARD
     _step(engine, rank)  # and the engine goes on
     # grad_sync.py [Note: gradient flow]: consecutive units share one reduce-scatter, in buckets of at most
     # reduce_bucket_size elements and never more than the largest unit (here a head of three blocks) or
@@ -166,8 +167,8 @@ def volume_and_memory(rank: int, world_size: int) -> dict[str, Any]:
         # Each unit's parameters are released once its own gradients are in the bucket: how many
         # reduce-scatters had been launched at each release.
         released: list[int] = []
-        engine.reducer.on_reduced = functools.partial(
-            _record_release, released, engine.comm.stats, engine.reducer.on_reduced
+        engine.gatherer.on_reduced = functools.partial(
+            _record_release, released, engine.comm.stats, engine.gatherer.on_reduced
         )
         _step(engine, rank)
         out[f"grouped{bucket_blocks}"] = (

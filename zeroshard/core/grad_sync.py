@@ -59,6 +59,7 @@ from zeroshard.core.grad_buckets import GradientBuckets
 from zeroshard.core.inflight import MAX_INFLIGHT, InFlight
 from zeroshard.core.layout import GroupLayout
 from zeroshard.core.reduction_groups import Averaging, ReductionGroup, group_units
+from zeroshard.core.stage3.coupling import ParameterSide
 from zeroshard.core.stages import StagePlan
 
 # Units smaller than this share a reduction group up to this many elements (4 MiB of fp32 gradients),
@@ -83,7 +84,9 @@ class GradientReducer:
 
     ``bucket_elements`` (``reduce_bucket_size``, at most ``units.MAX_UNIT_ELEMENTS``: ``build.initialize``)
     bounds how many elements of consecutive units' transient buckets are reduced in one collective ([Note:
-    coalesced reduction]), and so does the largest unit.
+    coalesced reduction]), and so does the largest unit. ``params`` is told when a unit's gradients are
+    reduced and says whether backward gathers; ``inflight`` holds the launched reductions, which the stage-3
+    gatherer may retire too ([Note: reducer and gatherer]).
 
     Collective: :meth:`finish_backward` must be called on all ranks.
     """
@@ -98,6 +101,8 @@ class GradientReducer:
         overlap_comm: bool,
         pool: BufferPool,
         bucket_elements: int,
+        params: ParameterSide,
+        inflight: InFlight,
     ) -> None:
         self.units = list(units)
         self.pool = pool  # the units' own pool: buckets and reduce-scatter outputs share it
@@ -105,6 +110,7 @@ class GradientReducer:
         self.plan = plan
         self.averaging = averaging
         self.overlap_comm = overlap_comm
+        self.params = params
         # Launch order: reverse registration order (see [Note: gradient flow]), in groups.
         order = sorted(self.units, key=lambda u: -u.index)
         # No group's bucket is larger than the largest unit's, or SMALL_BUCKET_ELEMENTS where every unit is
@@ -123,7 +129,7 @@ class GradientReducer:
         self._complete_units = [0] * len(self.groups)
         self._handed = [False] * len(self.units)  # on_reduced called in this backward
         self._next = 0
-        self._inflight = InFlight()  # reductions launched and not yet waited for
+        self._inflight = inflight  # reductions launched and not yet waited for
         self._reducing = False
         # Between begin_backward and finish_backward (this engine's backward). Gradients that arrive at
         # other times, e.g. a second engine's loss backpropagated through this engine's model (a GAN's
@@ -136,11 +142,6 @@ class GradientReducer:
         self.needs_reduction = False  # gradients accumulated that no reduction has covered yet
         self.peak_bucket_bytes = 0
         self._handles: list[RemovableHandle] = []
-        # Called once a unit's gradients are all in its bucket or handed to the reduction (stage 3 frees
-        # its parameters).
-        self.on_reduced: Callable[[FlatUnit], None] | None = None
-        # Whether this backward may still gather parameters (stage 3; [Note: bounded reductions]).
-        self.backward_gathers: Callable[[], bool] = lambda: self.plan.shard_parameters
 
     # -- hooks ---------------------------------------------------------------------------------------
     def register_hooks(self) -> None:
@@ -240,8 +241,7 @@ class GradientReducer:
     def _hand_over(self, unit: FlatUnit) -> None:
         if not self._handed[unit.index]:
             self._handed[unit.index] = True
-            if self.on_reduced is not None:
-                self.on_reduced(unit)
+            self.params.on_reduced(unit)
 
     def _track_bucket_bytes(self) -> None:
         filling = self._buckets.filling_bytes
@@ -270,11 +270,6 @@ class GradientReducer:
 
     def wait_all(self) -> None:
         self._inflight.wait_all()
-
-    def retire_launched(self) -> None:
-        """Wait for the oldest reductions in flight as long as every rank has launched them (never for one a
-        peer may not have launched yet: [Note: bounded reductions]); their buckets go back to the pool."""
-        self._inflight.retire_safely(limit=0)
 
     # -- one group's reduction -----------------------------------------------------------------------
     def _launch(self, group: ReductionGroup) -> None:
@@ -340,7 +335,7 @@ class GradientReducer:
         # ([Note: bounded reductions]).
         # Only a group with more than MAX_INFLIGHT groups after it can be the oldest beyond the bound: the
         # last ones are waited for at the end of backward, markers or not (the same groups on every rank).
-        guarded = bool(self.overlap_comm and held and self.backward_gathers())
+        guarded = bool(self.overlap_comm and held and self.params.backward_gathers())
         if guarded and group.index < len(self.groups) - MAX_INFLIGHT:
             marker = self.comm.agree_async([self._next], what=f"reduction marker of {names}")
         self._inflight.add(pending, then, held, marker=marker, guarded=guarded)

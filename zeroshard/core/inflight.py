@@ -10,10 +10,10 @@ rank's next parameter gather. So each launch also launches a tiny collective, a 
 marker completes only when every rank has launched its reduction, and completion is polled, never waited for.
 Every rank launches the same markers in the same order: one per group's reduction, except for the last
 ``MAX_INFLIGHT`` groups, which are never the oldest beyond the bound before the end of backward waits for
-every reduction (and which :meth:`~zeroshard.core.grad_sync.GradientReducer.retire_launched` leaves in
-flight). Where parameters are not gathered in backward (stages 0-2) a peer reaches every launch without
-waiting for this rank, so there is no marker: the oldest reduction beyond ``MAX_INFLIGHT`` is waited for at
-once, which bounds stage 2's buckets by the unit size times ``MAX_INFLIGHT + 1`` whatever the model's size.
+every reduction (and which :meth:`InFlight.retire_launched` leaves in flight). Where parameters are not
+gathered in backward (stages 0-2) a peer reaches every launch without waiting for this rank, so there is no
+marker: the oldest reduction beyond ``MAX_INFLIGHT`` is waited for at once, which bounds stage 2's buckets
+by the unit size times ``MAX_INFLIGHT + 1`` whatever the model's size.
 
 The same holds for a stage-3 backward that begins with every unit gathered (DeepSpeed's default
 ``stage3_max_reuse_distance`` keeps a smaller model's units from forward to backward): no rank gathers in it,
@@ -77,6 +77,12 @@ class InFlight:
             if oldest.guarded and (oldest.marker is None or not oldest.marker.done()):
                 return  # not known to be launched everywhere (no marker: one of the last groups)
             self._retire_oldest()
+
+    def retire_launched(self) -> None:
+        """Wait for the oldest reductions as long as every rank is known to have launched them (never for one
+        a peer may not have launched yet); their buckets go back to the pool. The stage-3 gatherer calls it
+        before trimming the pool ([Note: reducer and gatherer])."""
+        self.retire_safely(limit=0)
 
     def _retire_oldest(self) -> None:
         oldest = self._reductions.pop(0)

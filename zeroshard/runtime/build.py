@@ -25,6 +25,7 @@ from zeroshard.core.buffers import BufferPool
 from zeroshard.core.comm import Comm
 from zeroshard.core.flat_param import FlatUnit, OptimizerSlice
 from zeroshard.core.grad_sync import GradientReducer
+from zeroshard.core.inflight import InFlight
 from zeroshard.core.optimizer import (
     ShardedStep,
     normalize_param_groups,
@@ -32,6 +33,7 @@ from zeroshard.core.optimizer import (
     shard_param_groups,
 )
 from zeroshard.core.reduction_groups import Averaging
+from zeroshard.core.stage3.coupling import NoGatherer
 from zeroshard.core.stage3.gatherer import ParameterGatherer
 from zeroshard.core.stages import StagePlan, plan_for
 from zeroshard.core.units import UnitOptions, UnitRules, build_units
@@ -196,34 +198,37 @@ def _bind_swapper(
 def _build_sync(
     model: nn.Module, cfg: ZeroshardConfig, plan: StagePlan, comm: Comm, parts: _Parts
 ) -> tuple[GradientReducer, ParameterGatherer | None]:
-    """The gradient reducer (every stage) and, at stage 3, the parameter gatherer, wired together."""
+    """The gradient reducer (every stage) and, at stage 3, the parameter gatherer, built first and handed to
+    the reducer ([Note: reducer and gatherer])."""
+    zero = cfg.zero_optimization
+    inflight = InFlight()  # the reducer launches its reductions into it; the gatherer may retire them
+    gatherer = None
+    if parts.module_units:
+        gatherer = ParameterGatherer(
+            parts.module_units,
+            comm.new_channel(),  # parameter gathers on their own group: see Comm.new_channel
+            prefetch_elements=zero.prefetch_bucket_size,
+            max_live_elements=zero.max_live_parameters,
+            max_reuse_distance=zero.max_reuse_distance,
+            pool=parts.pool,
+            reductions=inflight,
+        )
     reducer = GradientReducer(
         parts.units,
         comm,
         plan,
         Averaging(comm.world_size, cfg.prescale_gradients, cfg.gradient_predivide_factor),
-        overlap_comm=cfg.zero_optimization.overlap_comm,
+        overlap_comm=zero.overlap_comm,
         pool=parts.pool,
         # Coalesced stage-3 buckets are bounded like stage 0-2 units ([Note: bounded units]): with
         # MAX_INFLIGHT reductions in flight, larger ones would hold that many times their size.
         bucket_elements=parts.rules.unit_elements,
+        params=gatherer if gatherer is not None else NoGatherer(gathers=plan.shard_parameters),
+        inflight=inflight,
     )
     reducer.register_hooks()
-    if not parts.module_units:
-        return reducer, None
-    zero = cfg.zero_optimization
-    gatherer = ParameterGatherer(
-        parts.module_units,
-        comm.new_channel(),  # parameter gathers on their own group: see Comm.new_channel
-        prefetch_elements=zero.prefetch_bucket_size,
-        max_live_elements=zero.max_live_parameters,
-        max_reuse_distance=zero.max_reuse_distance,
-        pool=parts.pool,
-    )
-    gatherer.register(model)
-    reducer.on_reduced = gatherer.on_reduced
-    reducer.backward_gathers = lambda: not gatherer.gather_free  # [Note: bounded reductions]
-    gatherer.on_last_gather = reducer.retire_launched  # [Note: trim before the backward's end]
+    if gatherer is not None:
+        gatherer.register(model)
     return reducer, gatherer
 
 

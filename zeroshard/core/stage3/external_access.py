@@ -22,9 +22,11 @@ parameter that a data-dependent branch reads for the first time after that is no
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
@@ -63,3 +65,52 @@ class ParameterAccess(TorchFunctionMode):
                     self._adopt(unit)
             elif isinstance(value, (list, tuple)) and value and isinstance(value[0], nn.Parameter):
                 self._check(value)  # e.g. torch.cat([w1, w2])
+
+
+class ExternalParameterSearch:
+    """Whether model forwards watch torch calls for external parameters, and the watch of each running one.
+    Local: ``adopt`` gathers.
+
+    ``units()`` gives every stage-3 unit (the same list each call); ``adopt(unit)`` gathers ``unit`` for the
+    innermost running module. Watching stops after one whole forward with gradients enabled, or two
+    evaluation forwards in a row, that adopted nothing.
+    """
+
+    def __init__(self, units: Callable[[], list[FlatUnit]], adopt: Callable[[FlatUnit], None]) -> None:
+        self._units = units
+        self._unit_of: dict[int, FlatUnit] | None = None  # id(param) -> unit, built at the first watch
+        self._adopt = adopt
+        self.active = True  # the next model forward watches
+        self._watches: list[contextlib.ExitStack] = []  # one per running model forward, innermost last
+        self._adopted = False  # the current watch adopted a unit
+        self._quiet_forwards = 0  # watched forwards in a row that adopted nothing
+
+    @property
+    def watching(self) -> bool:
+        """Whether a model forward is running under a watch."""
+        return bool(self._watches)
+
+    def enter(self) -> None:
+        """A model forward starts: watch it while the search is active."""
+        if self.active:
+            if self._unit_of is None:
+                self._unit_of = {id(p): u for u in self._units() for p in u.params}
+            watch = contextlib.ExitStack()
+            watch.enter_context(ParameterAccess(self._unit_of, self._adopt_unit))
+            self._watches.append(watch)
+            self._adopted = False
+
+    def exit(self) -> None:
+        """A model forward ends: stop its watch, and the search once forwards stop adopting."""
+        if self._watches:
+            self._watches.pop().close()
+            if not self._adopted and not self._watches:
+                # A whole training forward needed nothing more (or two evaluation forwards did: an engine
+                # that only evaluates, e.g. a frozen teacher, stops watching too).
+                self._quiet_forwards += 1
+                self.active = torch.is_grad_enabled() is False and self._quiet_forwards < 2
+
+    def _adopt_unit(self, unit: FlatUnit) -> None:
+        self._adopt(unit)
+        self._adopted = True
+        self._quiet_forwards = 0

@@ -18,8 +18,9 @@ With activation checkpointing a module's forward runs again inside backward (``t
 either kind): autograd then keeps the recomputed activations, which are views of the gathered buffers, and
 uses them for the module's backward right after. The post-hook must not release the units then: their
 buffers would go back to the pool and the next gather would overwrite what backward is about to read. So
-from the first backward hook of a step (or :meth:`begin_backward`) to :meth:`end_backward`, a forward only
-gathers, and the units are released as in any backward, once their gradients are reduced. Nor does it count
+from the first backward hook of a step (or :meth:`begin_backward`) to :meth:`end_backward` (the backward
+phases of [Note: gatherer phases]), a forward only gathers, and the units are released as in any backward,
+once their gradients are reduced. Nor does it count
 as a user of its units: non-reentrant checkpointing stops a recomputation as soon as it has rebuilt what
 backward saved, so the post-hook of the last module it enters never runs.
 
@@ -34,7 +35,7 @@ autograd's own transients peak: a tied embedding's gradient from the LM head wai
 embedding's, and adding the two allocates a third of that size. The buffer pool keeps idle buffers up to
 the step's high-water mark ([Note: buffer reuse]), which on top of that peak is memory no request will use
 before the next forward. So when a backward asks for the last unit of last step's order, the gatherer
-first lets ``on_last_gather`` (the reducer) wait for the reductions in flight that every rank has launched,
+first waits for the reductions in flight that every rank has launched ([Note: reducer and gatherer]),
 then shrinks the pool's given-back buffers to what the forward gathered at most less what is still handed
 out (those come back by the end of the backward) and less the units spent in this backward (their buffers
 went back to the allocator, [Note: spent units]): enough bytes for the next forward, none beyond. The
@@ -55,7 +56,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -66,30 +67,32 @@ from zeroshard.core.buffers import BufferPool
 from zeroshard.core.comm import Comm
 from zeroshard.core.flat_param import FlatUnit, unique_units
 from zeroshard.core.grad_sync import reentrant_reuse_error
-from zeroshard.core.stage3.external_access import ParameterAccess
+from zeroshard.core.inflight import InFlight
+from zeroshard.core.stage3.external_access import ExternalParameterSearch
 from zeroshard.core.stage3.gather_check import GatherChecks
+from zeroshard.core.stage3.hook_tools import eager, hook_outputs
+from zeroshard.core.stage3.phase import Event, Phase, next_phase
 from zeroshard.core.stage3.prefetch import PrefetchSchedule
 from zeroshard.core.stage3.saved_views import SavedViews
 from zeroshard.core.stage3.spent_units import SpentUnits
 
 
-def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
-    """Every tensor inside nested tuples, lists, dicts and dataclasses (a module's outputs)."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for value in obj.values():
-            yield from iter_tensors(value)
-    elif isinstance(obj, (list, tuple)):
-        for value in obj:
-            yield from iter_tensors(value)
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        for field in dataclasses.fields(obj):
-            yield from iter_tensors(getattr(obj, field.name))
+@dataclasses.dataclass
+class _StepRecord:
+    """What the gatherer did in this step so far (from one ``end_step`` to the next)."""
+
+    prefetched: set[int] = dataclasses.field(default_factory=set)  # gathered ahead of need, not yet needed
+    forward_bytes: int = 0  # the most bytes gathered at once in this step's forward
+    pool_trimmed: bool = False  # [Note: trim before the backward's end] done
 
 
 class ParameterGatherer:
     """Owns the stage-3 module hooks and the gathered/released state of the stage-3 units.
+
+    Its :class:`~zeroshard.core.stage3.phase.Phase` decides what the hooks do ([Note: gatherer phases]). As
+    the reducer's :class:`~zeroshard.core.stage3.coupling.ParameterSide` it releases units once their
+    gradients are reduced; ``reductions`` are the reducer's reductions in flight ([Note: reducer and
+    gatherer]).
 
     Collective: the hooks gather with all-gathers, so every rank must run the same modules in the same order.
     """
@@ -103,9 +106,11 @@ class ParameterGatherer:
         max_live_elements: int,
         max_reuse_distance: int,
         pool: BufferPool,
+        reductions: InFlight,
     ) -> None:
         self.comm = comm
         self.pool = pool  # the units' own pool: holds are exempt from its high-water mark
+        self._reductions = reductions
         self.schedule = PrefetchSchedule(  # see [Note: prefetch schedule]
             prefetch_elements=prefetch_elements,
             max_live_elements=max_live_elements,
@@ -119,29 +124,16 @@ class ParameterGatherer:
             self._modules[id(module)] = module
         self._users: Counter[int] = Counter()  # running forwards that use each unit
         self._handles: list[RemovableHandle] = []
-        # Units released in this backward because their gradients are complete. Ranks may reach that
-        # point at different moments (it follows local gradient readiness), so such a unit is never
-        # gathered again in the same backward: the decision to gather stays the same on every rank.
-        self._done: set[int] = set()
-        self._prefetched: set[int] = set()  # units gathered ahead of need, not yet needed
-        # Between the first backward hook of a step and end_backward: a module forward that runs now is a
-        # recomputation (activation checkpointing), whose units backward needs next; see [Note: recompute].
-        self._in_backward = False
-        # This engine's backward started with every unit gathered, so it gathers nothing ([Note: bounded
-        # reductions]): the reducer may wait for any reduction, and nothing may be gathered (or spent).
-        self.gather_free = False
+        self._phase = Phase.FORWARD  # changed by _move only: [Note: gatherer phases]
+        # Units released in this backward because their gradients were reduced. Ranks may reach that point
+        # at different moments (it follows local gradient readiness), so such a unit is never gathered
+        # again in the same backward: the decision to gather stays the same on every rank.
+        self._released_reduced: set[int] = set()
+        self._step = _StepRecord()
         self._backwards = 0  # backwards ended: a hook gathers once per backward (retain_graph)
         self._running: list[int] = []  # keys of the hooked modules whose forward is running, innermost last
-        self._access: list[contextlib.ExitStack] = []  # one per running model forward, each a ParameterAccess
-        self._param_units: dict[int, FlatUnit] | None = None
-        self._discovering = True  # watch torch calls for external parameters ([Note: external parameters])
-        self._adopted_now = False
-        self._quiet_forwards = 0  # forwards in a row that adopted nothing
+        self._search = ExternalParameterSearch(self._all_units, self._adopt)  # [Note: external parameters]
         self.peak_gathered_bytes = 0
-        self._forward_bytes = 0  # the most bytes gathered at once in this step's forward
-        self._trimmed = False  # the pool was shrunk in this backward: [Note: trim before the backward's end]
-        # Called before that shrink (the reducer waits for the reductions every rank has launched).
-        self.on_last_gather: Callable[[], None] | None = None
         self._checks = GatherChecks(comm, self._describe)  # see [Note: gather check]
         self.saved_views = SavedViews(self.gather, comm.rank)  # see [Note: saved views]
         self._spent = SpentUnits(self.saved_views, self._modules_using)  # see [Note: spent units]
@@ -149,54 +141,48 @@ class ParameterGatherer:
         self._reads_ahead = any(u.store.prefetches for _, us in module_units for u in us)
 
     @property
+    def phase(self) -> Phase:
+        """Where the gatherer is in the step ([Note: gatherer phases])."""
+        return self._phase
+
+    def _move(self, event: Event) -> None:
+        """Take ``event``'s transition (the table: :func:`~zeroshard.core.stage3.phase.next_phase`)."""
+        sharded = (u for u in self._all_units() if u.plan.shard_parameters)
+        all_gathered = event is Event.BEGIN_BACKWARD and all(u.gathered for u in sharded)
+        self._phase = next_phase(self._phase, event, all_gathered=all_gathered)
+
+    @property
     def discovering(self) -> bool:
         """Whether the next forward watches torch calls for external parameters. Such a forward runs eagerly
         under ``torch.compile`` (see ``ZeroshardEngine._forward``): compiled, the watching would be traced
         into every graph, which then changes when the watching stops."""
-        return self._discovering
+        return self._search.active
 
     # -- hooks ---------------------------------------------------------------------------------------
     def register(self, root: nn.Module) -> None:
         """Install the module hooks, and on ``root`` the saved-tensor hooks of [Note: saved views] for the
         duration of every forward (also when the model is called directly, not through the engine)."""
         for key, module in self._modules.items():
-            self._handles.append(module.register_forward_pre_hook(_eager(self._make_pre(key))))
-            self._handles.append(module.register_forward_hook(_eager(self._make_post(key))))
+            self._handles.append(module.register_forward_pre_hook(eager(self._make_pre(key))))
+            self._handles.append(module.register_forward_hook(eager(self._make_post(key))))
         if id(root) not in self._modules:  # adopted units need a running module to belong to
             self._units_of[id(root)] = []
             self._modules[id(root)] = root
-            self._handles.append(root.register_forward_pre_hook(_eager(self._make_pre(id(root)))))
-            self._handles.append(root.register_forward_hook(_eager(self._make_post(id(root)))))
-        self._handles.append(root.register_forward_pre_hook(_eager(self._enter_forward), prepend=True))
-        self._handles.append(root.register_forward_hook(_eager(self._exit_forward), always_call=True))
+            self._handles.append(root.register_forward_pre_hook(eager(self._make_pre(id(root)))))
+            self._handles.append(root.register_forward_hook(eager(self._make_post(id(root)))))
+        self._handles.append(root.register_forward_pre_hook(eager(self._enter_forward), prepend=True))
+        self._handles.append(root.register_forward_hook(eager(self._exit_forward), always_call=True))
 
     def _enter_forward(self, module: nn.Module, args: Any) -> None:
-        if not self._access:
+        if not self._search.watching:
             self._running.clear()  # a forward that raised left its modules on the stack
-            # A new forward of the model: any backward that set the flag without this engine's end_backward
-            # (another engine's loss backpropagated through this model, or a backward that raised) is over.
-            self._in_backward = self.gather_free = False
+            self._move(Event.FORWARD_STARTS)
         self.saved_views.enter()
-        if self._discovering:  # [Note: external parameters]
-            access = contextlib.ExitStack()
-            access.enter_context(ParameterAccess(self._unit_of_param(), self._adopt))
-            self._access.append(access)
-            self._adopted_now = False
+        self._search.enter()
 
     def _exit_forward(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self._access:
-            self._access.pop().close()
-            if not self._adopted_now and not self._access:
-                # A whole training forward needed nothing more (or two evaluation forwards did: an engine
-                # that only evaluates, e.g. a frozen teacher, stops watching too).
-                self._quiet_forwards += 1
-                self._discovering = torch.is_grad_enabled() is False and self._quiet_forwards < 2
+        self._search.exit()
         self.saved_views.exit()
-
-    def _unit_of_param(self) -> dict[int, FlatUnit]:
-        if self._param_units is None:
-            self._param_units = {id(p): u for u in self._all_units() for p in u.params}
-        return self._param_units
 
     def _adopt(self, unit: FlatUnit) -> None:
         """The running module reads a parameter of ``unit``, which it does not own: from now on ``unit`` is
@@ -207,8 +193,6 @@ class ParameterGatherer:
             self._spent.users_changed()
         self.gather([unit])
         self._users[unit.index] += 1
-        self._adopted_now = True
-        self._quiet_forwards = 0
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -218,14 +202,14 @@ class ParameterGatherer:
     def _make_pre(self, key: int) -> Any:
         def pre(module: nn.Module, args: Any) -> None:
             units = self._units_of[key]
-            if self._in_backward:  # a recomputation: never spent in this backward
+            if self._phase.in_backward:  # a recomputation: never spent in this backward
                 self._spent.recomputed.update(u.index for u in units)
-                reduced = [u for u in units if u.index in self._done]
+                reduced = [u for u in units if u.index in self._released_reduced]
                 if reduced:  # [Note: repeated gradients]
                     what = f"{type(module).__name__} ran again"
                     raise reentrant_reuse_error(self.comm.rank, reduced[0], what)
             self.gather(units)
-            if self._in_backward:
+            if self._phase.in_backward:
                 return  # a recomputation: nothing to count, its post-hook may never run ([Note: recompute])
             self._running.append(key)
             for unit in units:
@@ -235,7 +219,7 @@ class ParameterGatherer:
 
     def _make_post(self, key: int) -> Any:
         def post(module: nn.Module, args: Any, output: Any) -> None:
-            if self._in_backward:
+            if self._phase.in_backward:
                 return
             if self._running and self._running[-1] == key:
                 self._running.pop()
@@ -248,15 +232,13 @@ class ParameterGatherer:
                 fired = [-1]  # the backward that gathered for this output, counted by end_backward
 
                 def before_backward(grad: torch.Tensor) -> None:
-                    self._in_backward = True
+                    self._move(Event.OUTPUT_GRADIENT)
                     # Once per backward: a second backward through a retained graph gathers again.
                     if fired[0] != self._backwards:
                         fired[0] = self._backwards
                         self.gather([u for u in units if not self._spend(u)])
 
-                for tensor in iter_tensors(output):
-                    if tensor.requires_grad:
-                        tensor.register_hook(before_backward)
+                hook_outputs(output, before_backward)
 
         return post
 
@@ -264,17 +246,18 @@ class ParameterGatherer:
     def gather(self, units: Iterable[FlatUnit]) -> None:
         """Make ``units`` gathered, prefetching what came next last step. Collective: all ranks."""
         units = list(units)
-        if self._in_backward:
+        step = self._step
+        if self._phase.in_backward:
             self._release_spent()
-        missing = [u for u in units if not u.gathered and u.index not in self._done]
+        missing = [u for u in units if not u.gathered and u.index not in self._released_reduced]
         # The order records each unit where it is needed, whether a prefetch already brought it or not.
-        needed = [u for u in units if u in missing or u.index in self._prefetched]
-        self._prefetched.difference_update(u.index for u in needed)
+        needed = [u for u in units if u in missing or u.index in step.prefetched]
+        step.prefetched.difference_update(u.index for u in needed)
         self.schedule.record(needed)
         # One check for the units needed now and the ones prefetched with them.
         live = sum(u.layout.padded for u in self._all_units() if u.gathered or u in missing)
-        ahead = self.schedule.candidates(missing, live, self._done | self._spent.spent)
-        self._prefetched.update(u.index for u in ahead)
+        ahead = self.schedule.candidates(missing, live, self._released_reduced | self._spent.spent)
+        step.prefetched.update(u.index for u in ahead)
         self._start_many(missing + ahead)
         if self._reads_ahead:
             self.schedule.read_ahead()
@@ -284,47 +267,46 @@ class ParameterGatherer:
             self.saved_views.note(unit)
         live = sum(u.full.numel() * u.full.element_size() for u in self._all_units() if u.gathered)
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, live)
-        if not self._in_backward:
-            self._forward_bytes = max(self._forward_bytes, live)
-        elif not self._trimmed and self.schedule.exhausted:
+        if not self._phase.in_backward:
+            step.forward_bytes = max(step.forward_bytes, live)
+        elif not step.pool_trimmed and self.schedule.exhausted:
             self._trim_for_next_forward()
 
     def _trim_for_next_forward(self) -> None:
         """See [Note: trim before the backward's end]. The spent units' buffers were let go, and their room
         is not kept idle either ([Note: spent units])."""
-        self._trimmed = True
-        if self.on_last_gather is not None:
-            self.on_last_gather()
-        spent = sum(self._full_bytes(u) for u in self._all_units() if u.index in self._spent.spent)
-        self.pool.shrink(self._forward_bytes - self.pool.out_bytes - spent)
-
-    @staticmethod
-    def _full_bytes(unit: FlatUnit) -> int:
-        return unit.layout.padded * unit.policy.compute.itemsize
+        self._step.pool_trimmed = True
+        self._reductions.retire_launched()
+        spent = sum(u.layout.padded * u.policy.compute.itemsize for u in self._spent_units())
+        self.pool.shrink(self._step.forward_bytes - self.pool.out_bytes - spent)
 
     # -- spent units: [Note: spent units] --------------------------------------------------------------
+    def _spent_units(self) -> Iterator[FlatUnit]:
+        return (u for u in self._all_units() if u.index in self._spent.spent)
+
     def _modules_using(self, unit: FlatUnit) -> Iterator[nn.Module]:
         return (self._modules[key] for key, units in self._units_of.items() if unit in units)
 
     def _spend(self, unit: FlatUnit) -> bool:
         """Release ``unit`` if it is spent (and say whether it is); not while a forward or a hold uses it,
         nor once its gradients were reduced."""
-        if self.gather_free:
+        if self._phase is Phase.GATHER_FREE_BACKWARD:
             return False  # a spent unit may be recomputed, which would gather it again
-        return self._spent.spend(unit, busy=self._users[unit.index] > 0 or unit.index in self._done)
+        busy = self._users[unit.index] > 0 or unit.index in self._released_reduced
+        return self._spent.spend(unit, busy=busy)
 
     def _release_spent(self) -> None:
         """Release the gathered units that are spent; those of them a prefetch brought are not (needed
         next, their views may come with a recomputation)."""
         for unit in self._spent.candidates(self._all_units()):
-            if unit.gathered and unit.index not in self._prefetched:
+            if unit.gathered and unit.index not in self._step.prefetched:
                 self._spend(unit)
 
     def _start_many(self, units: list[FlatUnit]) -> None:
         """Launch the all-gathers of ``units`` with their gather check ([Note: gather check])."""
         if not units:
             return
-        if self.gather_free:
+        if self._phase is Phase.GATHER_FREE_BACKWARD:
             raise RuntimeError(
                 f"rank {self.comm.rank}: {self._describe(units[0].index)} is gathered again in a backward "
                 "that began with every unit gathered and so does not wait for its peers' gathers; its "
@@ -369,21 +351,25 @@ class ParameterGatherer:
                 # parameter's data, so that data must still be full when the gradient lands (a custom
                 # Function that gathers its saved weight in backward returns that weight's gradient
                 # after leaving the block).
-                pending = self._in_backward and unit.index not in self._done
+                pending = self._phase.in_backward and unit.index not in self._released_reduced
                 if self._users[unit.index] == 0 and not pending:
                     unit.release()
 
     def begin_backward(self) -> None:
-        """Backward starts: forwards that run from now to :meth:`end_backward` are recomputations. Whether
-        it is gather-free is the same on every rank: which units are gathered follows last step's order."""
-        self._in_backward = True
-        self.gather_free = all(u.gathered for u in self._all_units() if u.plan.shard_parameters)
+        """Backward starts: forwards that run from now to :meth:`end_backward` are recomputations, and it is
+        gather-free if every unit is gathered ([Note: gatherer phases])."""
+        self._move(Event.BEGIN_BACKWARD)
 
+    # -- the reducer's ParameterSide: [Note: reducer and gatherer] -----------------------------------
     def on_reduced(self, unit: FlatUnit) -> None:
         """The reducer took ``unit``'s gradients: its full parameters are not needed any more."""
         if unit.plan.shard_parameters and self._users[unit.index] == 0:
-            self._done.add(unit.index)
+            self._released_reduced.add(unit.index)
             unit.release()
+
+    def backward_gathers(self) -> bool:
+        """Whether this backward may still gather: all but a gather-free one ([Note: bounded reductions])."""
+        return self._phase is not Phase.GATHER_FREE_BACKWARD
 
     def end_backward(self) -> None:
         """Release everything still gathered and start the next step's prefetch schedule."""
@@ -391,10 +377,9 @@ class ParameterGatherer:
         for unit in self._all_units():
             if self._users[unit.index] == 0:
                 unit.release()
-        self._done.clear()
+        self._released_reduced.clear()
         self._spent.end_backward()
-        self._in_backward = False
-        self.gather_free = False
+        self._move(Event.END_BACKWARD)
         self._backwards += 1
         self.end_step()
 
@@ -404,9 +389,7 @@ class ParameterGatherer:
             self.end_backward()
 
     def end_step(self) -> None:
-        self._prefetched.clear()
-        self._forward_bytes = 0
-        self._trimmed = False
+        self._step = _StepRecord()
         self.schedule.end_step()
 
     def _all_units(self) -> list[FlatUnit]:
@@ -414,11 +397,3 @@ class ParameterGatherer:
         if self._units_cache is None:
             self._units_cache = unique_units(u for units in self._units_of.values() for u in units)
         return self._units_cache
-
-
-def _eager(hook: Callable[..., Any]) -> Callable[..., Any]:
-    """``hook`` run eagerly under ``torch.compile``: the compiler stops at the hook (one graph break each),
-    runs it as Python (collectives, ``param.data`` swaps) and compiles the module's own code around it.
-    Traced instead, the gathers would break the graph at every collective and every buffer check."""
-    disabled: Callable[..., Any] = torch.compiler.disable(hook, recursive=True)
-    return disabled
