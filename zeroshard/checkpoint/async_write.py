@@ -132,6 +132,7 @@ class CheckpointWriter:
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
             save, write = job
+            del job  # the write closure holds the host copies: dropped once written, below
             if not save.result.set_running_or_notify_cancel():
                 continue
             try:
@@ -145,6 +146,7 @@ class CheckpointWriter:
                 save.result.set_exception(err)
             else:
                 save.result.set_result(records)
+            del save, write
 
     def close(self, timeout: float = EXIT_TIMEOUT_S) -> Records | None:
         """Wait (at most ``timeout`` seconds) for the pending save; on rank 0, publish it when every rank's
@@ -154,10 +156,12 @@ class CheckpointWriter:
             The records gathered from every rank's marker when rank 0 may publish, else None.
         """
         save = self.take_pending()
-        if self._thread is not None:
+        thread, self._thread = self._thread, None
+        if thread is not None:
             self._jobs.put(None)  # the thread ends after the pending write; a later save starts another
-            self._thread = None
         if save is None:
+            if thread is not None:
+                thread.join(timeout)
             return None
         deadline = time.monotonic() + timeout
         try:

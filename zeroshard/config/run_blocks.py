@@ -39,7 +39,7 @@ class ParallelWriteConfig(Block):
 
 
 class CheckpointWriterConfig(Block):
-    """`checkpoint.writer`: DeepSpeed's fast checkpoint writer."""
+    """`checkpoint.writer`: DeepSpeed's fast checkpoint writer; zeroshard reads `decoupled` only."""
 
     type: Annotated[Literal["MOCK", "PYTHON", "FAST"], BeforeValidator(upper)] = "FAST"
     """Writer implementation."""
@@ -52,7 +52,7 @@ class CheckpointWriterConfig(Block):
     data_parallel: Annotated[Literal["REPLICA", "SOCKET", "MACHINE"] | None, BeforeValidator(upper)] = None
     """How data-parallel ranks share the write."""
     decoupled: Bool = False
-    """Write in a background process."""
+    """Save in the background: the default of ``save_checkpoint(async_save=...)`` (docs/checkpoints.md)."""
     io_multiplier: PositiveInt = 1
     """Writer I/O multiplier."""
 
