@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from zeroshard.attempt_store import attempt_store, under_agent_store
 from zeroshard.core.comm import DEFAULT_TIMEOUT, Comm
 from zeroshard.watchdog import heartbeat
 
@@ -93,6 +94,23 @@ def init_distributed(
         raise ValueError(f"dist_backend {backend!r} is not supported; expected 'gloo' or 'nccl'")
     if backend == "nccl":
         torch.cuda.set_device(local_rank())
+    _join(backend, init_method, timeout, rank, world_size)
+    logger.info(
+        "initialized %s process group: rank %d of %d", backend, dist.get_rank(), dist.get_world_size()
+    )
+    return True
+
+
+def _join(
+    backend: str, init_method: str | None, timeout: datetime.timedelta, rank: int, world_size: int
+) -> None:
+    """``init_process_group``; a torchrun worker's group lives in a store of its attempt's own."""
+    if init_method is None and under_agent_store():  # [Note: a store per attempt]
+        rank = rank if rank >= 0 else int(os.environ["RANK"])
+        world_size = world_size if world_size >= 0 else int(os.environ["WORLD_SIZE"])
+        store = attempt_store(rank, world_size, timeout)
+        dist.init_process_group(backend, store=store, timeout=timeout, rank=rank, world_size=world_size)
+        return
     dist.init_process_group(
         backend=backend,
         init_method=init_method or "env://",
@@ -100,10 +118,6 @@ def init_distributed(
         rank=rank,
         world_size=world_size,
     )
-    logger.info(
-        "initialized %s process group: rank %d of %d", backend, dist.get_rank(), dist.get_world_size()
-    )
-    return True
 
 
 def validate_rank(rank: int, world_size: int) -> None:
