@@ -157,15 +157,15 @@ class CheckpointWriter:
         """
         save = self.take_pending()
         thread, self._thread = self._thread, None
+        deadline = time.monotonic() + timeout
         if thread is not None:
             self._jobs.put(None)  # the thread ends after the pending write; a later save starts another
+            # Joined, not left running: a thread still in torch while the interpreter exits can abort it.
+            thread.join(timeout)
         if save is None:
-            if thread is not None:
-                thread.join(timeout)
             return None
-        deadline = time.monotonic() + timeout
         try:
-            save.result.result(timeout=timeout)
+            save.result.result(timeout=max(0.0, deadline - time.monotonic()))
         except FutureTimeout:
             logger.error(
                 "rank %d: the checkpoint write to %s did not finish in %.0f s", self.rank, save.tmp, timeout
