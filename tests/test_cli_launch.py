@@ -164,6 +164,15 @@ def test_single_node_is_standalone_and_passes_the_script_arguments_through() -> 
         "3",
     ]
     assert plan(["--num_gpus", "3", *SCRIPT]).torchrun_args[:3] == ["--standalone", "--nproc-per-node", "3"]
+    # Restarts go to torchrun, before the worker (tests/test_restarts.py shows what a restart resumes).
+    assert plan(["--max-restarts", "2", *SCRIPT]).torchrun_args[3:] == [
+        "--max-restarts",
+        "2",
+        *WORKER,
+        *SCRIPT,
+    ]
+    multi = ["--nnodes", "2", "--node-rank", "1", "--master-addr", "h0", "--max_restarts", "1", *SCRIPT]
+    assert plan(multi).torchrun_args[10:] == ["--max-restarts", "1", *WORKER, *SCRIPT]
 
 
 def test_multi_node_flags_go_to_torchrun() -> None:

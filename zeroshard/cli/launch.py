@@ -98,7 +98,9 @@ def _script_args(args: argparse.Namespace) -> list[str]:
     # --local_rank=N (unless --no_local_rank) before running the script, as DeepSpeed's launcher does.
     worker = ["--module", "zeroshard.cli.worker", *(["--as-module"] if args.module else [])]
     worker += ["--no-local-rank"] if args.no_local_rank else []
-    return [*worker, args.script, *args.script_args]
+    # Last of torchrun's own options: restarts resume through the job's checkpoints (docs/reliability.md).
+    restarts = ["--max-restarts", str(args.max_restarts)] if args.max_restarts else []
+    return [*restarts, *worker, args.script, *args.script_args]
 
 
 def _from_hostfile(args: argparse.Namespace, local_names: set[str]) -> LaunchPlan:
@@ -233,6 +235,13 @@ def _shell(env: Mapping[str, str], command: list[str]) -> str:
     return " ".join([*(f"{k}={shlex.quote(v)}" for k, v in env.items()), shlex.join(command)])
 
 
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is not allowed; expected a whole number >= 0")
+    return value
+
+
 def register(subparsers: Any) -> None:
     """Adds `zeroshard launch` to `subparsers`."""
     parser = subparsers.add_parser(
@@ -277,6 +286,13 @@ def register(subparsers: Any) -> None:
         "--no_local_rank",
         action="store_true",
         help="do not pass --local_rank=N to the script (DeepSpeed's launcher passes it, and so does this)",
+    )
+    parser.add_argument(
+        "--max-restarts",
+        "--max_restarts",
+        type=_non_negative,
+        default=0,
+        help="restart the processes of every node up to N times after a failure (torchrun's --max-restarts)",
     )
     parser.add_argument(
         "--dry-run", action="store_true", help="print the torchrun command of each node and exit"
