@@ -1,10 +1,10 @@
 """``save_checkpoint(async_save=True)``: a background write that publishes at the next wait point.
 
 One spawn at world size 2 sweeps the sub-cases (equal to a synchronous save bit for bit, a copy that
-training cannot change, the next save waits, ``latest`` moves only once every file is durable, a failure
-surfaces at the next wait naming the file, the config switch); then a SIGKILL of a rank during the
-background write, and an interpreter exit with the write still in flight (two real interpreters, since
-spawned workers skip ``atexit``).
+training cannot change, a later save reusing the first one's host buffers, the next save waits,
+``latest`` moves only once every file is durable, a failure surfaces at the next wait naming the file,
+the config switch); then a SIGKILL of a rank during the background write, and an interpreter exit with
+the write still in flight (two real interpreters, since spawned workers skip ``atexit``).
 """
 
 from __future__ import annotations
@@ -83,6 +83,20 @@ def _equal_to_sync(engine: Any, rank: int, world_size: int, root: str) -> None:
             f.write(bytes([last[0] ^ 1]))
         with pytest.raises(CheckpointError, match=r"shard-00001-of-00002\.safetensors has the recorded size"):
             verify_checkpoint(os.path.join(root, "async"))
+
+
+def _steady_state_reuses_buffers(engine: Any, rank: int, world_size: int, root: str) -> None:
+    """A later async save copies into the buffers of the first (no allocation) and still equals a sync save,
+    although the training steps since the previous write changed every value in them."""
+    host = engine.__dict__["_checkpoint_writer"].host.shard
+    first = (host.allocations, host.buffer.data_ptr())
+    train(engine, rank, world_size, engine.global_steps + 1)
+    engine.save_checkpoint(os.path.join(root, "sync2"), tag="t")
+    engine.save_checkpoint(os.path.join(root, "async2"), tag="t", async_save=True)
+    train(engine, rank, world_size, engine.global_steps + 2)  # overwrites the masters the write reads from
+    assert engine.wait_for_checkpoint() == os.path.join(root, "async2", "t")
+    assert (host.allocations, host.buffer.data_ptr()) == first
+    assert _shards(os.path.join(root, "sync2", "t")) == _shards(os.path.join(root, "async2", "t"))
 
 
 def _latest_waits_for_durable(engine: Any, rank: int, root: str) -> None:
@@ -164,6 +178,7 @@ def sub_cases_worker(rank: int, world_size: int, root: str) -> None:
     engine = build(2, world_size)
     train(engine, rank, world_size, 2)
     _equal_to_sync(engine, rank, world_size, root)
+    _steady_state_reuses_buffers(engine, rank, world_size, root)
     _latest_waits_for_durable(engine, rank, root)
     _failure_names_the_file(engine, rank, root)
     _config_switch(rank, world_size, root)

@@ -7,7 +7,8 @@ only the file writing to a background thread:
 1. On the main thread, in ``save_checkpoint``: agree on the tag and token, create the temporary directory,
    copy this rank's shard tensors (and on rank 0 the tensors metadata.json refers to) to host memory, gather
    the RNG states and data positions, and build metadata.json's content (rank 0). Training may change the
-   shards as soon as the call returns: the writer holds copies.
+   shards as soon as the call returns: the writer holds copies, in buffers it keeps from one save to the
+   next ([Note: host snapshot buffers]).
 2. On the background thread: write and fsync this rank's files (shard; rank 0 also ``extra.safetensors``),
    hashing them as they go out, then write a small marker ``.written-rank<r>.json`` with their sizes and
    checksums (``.failed-rank<r>.json`` with the error if a write failed). Nothing else: no collective runs
@@ -46,6 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from zeroshard.checkpoint.errors import CheckpointError
+from zeroshard.checkpoint.host_buffers import SnapshotBuffers
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +103,8 @@ class CheckpointWriter:
     """One engine's background writer: at most one pending save, written by one daemon thread.
 
     Invariants: ``pending`` is the save submitted last and not yet published or abandoned; its ``result``
-    completes (with the records or the error) once the thread finished writing it.
+    completes (with the records or the error) once the thread finished writing it. ``host`` holds the
+    copies the saves write, kept from one save to the next ([Note: host snapshot buffers]).
     """
 
     def __init__(self, rank: int, world_size: int) -> None:
@@ -110,6 +113,7 @@ class CheckpointWriter:
         self.pending: PendingSave | None = None
         self._jobs: queue.SimpleQueue[tuple[PendingSave, Callable[[], Records]] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
+        self.host = SnapshotBuffers()
 
     def submit(self, save: PendingSave, write: Callable[[], Records]) -> None:
         """Write ``save``'s files in the background with ``write`` (file I/O only, never a collective)."""
@@ -122,6 +126,7 @@ class CheckpointWriter:
             self._thread = threading.Thread(target=self._run, name="zeroshard-checkpoint-writer", daemon=True)
             self._thread.start()
         self.pending = save
+        self.host.lend(save.result)  # the buffers are not written again before this write ends
         self._jobs.put((save, write))
 
     def take_pending(self) -> PendingSave | None:
@@ -132,7 +137,7 @@ class CheckpointWriter:
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
             save, write = job
-            del job  # the write closure holds the host copies: dropped once written, below
+            del job  # the write closure holds views of the host buffers: dropped once written, below
             if not save.result.set_running_or_notify_cancel():
                 continue
             try:
@@ -156,6 +161,7 @@ class CheckpointWriter:
             The records gathered from every rank's marker when rank 0 may publish, else None.
         """
         save = self.take_pending()
+        self.host.release()  # a write still running keeps its views alive until it ends
         thread, self._thread = self._thread, None
         deadline = time.monotonic() + timeout
         if thread is not None:

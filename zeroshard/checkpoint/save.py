@@ -62,6 +62,7 @@ from zeroshard.checkpoint.format import (
     write_latest,
     write_metadata,
 )
+from zeroshard.checkpoint.host_buffers import HostBuffers, SnapshotBuffers
 from zeroshard.checkpoint.reader import FIXED, SCALAR, VALUE, VECTOR
 from zeroshard.checkpoint.save_meta import build_metadata
 from zeroshard.checkpoint.tensorfile import TensorSpec, fsync_dir, write_tensors
@@ -104,10 +105,7 @@ def save_checkpoint(
     Returns:
         The checkpoint directory (with a ``writer``: where it will be once published).
     """
-    if keep_last is not None and (
-        isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1
-    ):
-        raise ValueError(f"save_checkpoint(keep_last={keep_last!r}): expected None or an int >= 1")
+    _check_keep_last(keep_last)
     comm = engine.comm
     tag = _agree_on_tag(engine, f"global_step{engine.global_steps}" if tag is None else str(tag))
     token = comm.all_gather_object(uuid.uuid4().hex[:12])[0]
@@ -115,23 +113,22 @@ def save_checkpoint(
     tmp = os.path.join(root, temp_dir_name(tag, token))
     collectively(comm, f"creating {tmp}", lambda: _make_dir(tmp, root) if comm.rank == 0 else None)
     save = PendingSave(root, tmp, tag, token, save_latest, keep_last, meta=None)
-    copy = writer is not None  # training changes the shards while the writer works: it needs copies
+    # Training changes the shards while the writer works: it needs copies ([Note: host snapshot buffers]).
+    host = writer.host if writer is not None else None
     try:
         entry, shard = collectively(
-            comm, f"copying checkpoint shards for {tmp}", lambda: _shard(engine, copy)
+            comm,
+            f"copying checkpoint shards for {tmp}",
+            lambda: _shard(engine, None if host is None else host.shard),
         )
         gathered = comm.all_gather_object(
             {"file": entry, "rng": rng.get_rng_state(), "data": data_position(engine)}
         )
-
-        def describe() -> dict[str, torch.Tensor] | None:
-            if comm.rank != 0:
-                return None
-            sink: dict[str, torch.Tensor] = {}
-            save.meta = build_metadata(engine, tag, gathered, client_state, exclude_frozen_parameters, sink)
-            return {k: _host(v, copy) for k, v in sink.items()}
-
-        extra = collectively(comm, f"describing the checkpoint in {tmp}", describe)
+        extra = collectively(
+            comm,
+            f"describing the checkpoint in {tmp}",
+            lambda: _describe(engine, save, gathered, client_state, exclude_frozen_parameters, host),
+        )
         job = _Files(tmp, comm.rank, shard, extra)
         if writer is not None:
             writer.submit(save, lambda: _write_files(job, background=True))
@@ -142,6 +139,32 @@ def save_checkpoint(
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     return _commit(comm, save, records)
+
+
+def _check_keep_last(keep_last: object) -> None:
+    if keep_last is not None and (
+        isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1
+    ):
+        raise ValueError(f"save_checkpoint(keep_last={keep_last!r}): expected None or an int >= 1")
+
+
+def _describe(
+    engine: TrainingState,
+    save: PendingSave,
+    gathered: list[dict[str, Any]],
+    client_state: dict[str, Any] | None,
+    exclude_frozen: bool,
+    host: SnapshotBuffers | None,
+) -> dict[str, torch.Tensor] | None:
+    """Rank 0: build metadata.json's content into ``save.meta``; the tensors it refers to (extra.safetensors'
+    content), copied into ``host`` when given. None on the other ranks."""
+    if engine.comm.rank != 0:
+        return None
+    sink: dict[str, torch.Tensor] = {}
+    save.meta = build_metadata(engine, save.tag, gathered, client_state, exclude_frozen, sink)
+    if host is None:
+        return sink
+    return dict(zip(sink, host.extra.copy(list(sink.values())), strict=True))
 
 
 def finish_pending(comm: Comm, writer: CheckpointWriter) -> str | None:
@@ -282,11 +305,6 @@ class _Files:
     extra: dict[str, torch.Tensor] | None
 
 
-def _host(tensor: torch.Tensor, copy: bool) -> torch.Tensor:
-    """``tensor`` itself, or (``copy``) a copy in host memory that training cannot change."""
-    return tensor.detach().to("cpu", copy=True) if copy else tensor
-
-
 def _write_files(job: _Files, background: bool = False) -> Records:
     """Write and fsync ``job``'s files; their sizes and checksums. In the background, errors name the file."""
     records: Records = {}
@@ -308,9 +326,10 @@ def _write_files(job: _Files, background: bool = False) -> Records:
     return records
 
 
-def _shard(engine: TrainingState, copy: bool) -> tuple[dict[str, Any] | None, Any]:
+def _shard(engine: TrainingState, host: HostBuffers | None) -> tuple[dict[str, Any] | None, Any]:
     """This rank's file-table entry (sizes and checksums to come) and its shard's (name, specs, tensors):
-    its pieces of the masters and their optimizer state; (None, None) if it owns none."""
+    its pieces of the masters and their optimizer state, the tensors themselves or (``host``) copies of
+    them in its buffer; (None, None) if it owns none."""
     pieces = written_pieces(engine)
     if not pieces:
         return None, None
@@ -326,7 +345,7 @@ def _shard(engine: TrainingState, copy: bool) -> tuple[dict[str, Any] | None, An
         start, end = piece.param_start, piece.param_start + piece.numel
         master = master_view(unit, piece)
         specs.append(TensorSpec(range_key(name, start, end), master.dtype, (piece.numel,)))
-        tensors.append(_host(master, copy))
+        tensors.append(master)
         sl = slices.get((unit.index, piece.index))
         kinds: dict[str, str] = {}
         values: dict[str, Any] = {}
@@ -340,11 +359,13 @@ def _shard(engine: TrainingState, copy: bool) -> tuple[dict[str, Any] | None, An
                 values[key] = encode(value, f"optimizer.state[{name}].{key}", {})
             else:
                 specs.append(TensorSpec(range_key(name, start, end, key), value.dtype, tuple(value.shape)))
-                tensors.append(_host(value, copy))
+                tensors.append(value)
         group = groups.get(id(sl.master)) if sl is not None else None
         ranges.append(
             {"param": name, "start": start, "end": end, "group": group, "state": kinds, "values": values}
         )
+    if host is not None:
+        tensors = host.copy(tensors)
     fname = shard_file_name(engine.comm.rank, engine.comm.world_size)
     entry = {"name": fname, "bytes": 0, "sha256": "", "rank": engine.comm.rank, "ranges": ranges}
     return entry, (fname, specs, tensors)
