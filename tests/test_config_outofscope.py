@@ -43,11 +43,6 @@ FEATURES: list[tuple[dict[str, Any], tuple[str, ...], dict[str, Any]]] = [
     ),
     ({"zero_optimization": {"stage": 3, "zero_quantized_gradients": True}}, ("ZeRO++",), {}),
     (
-        {"zero_optimization": {"stage": 3, "mics_shard_size": 8}},
-        ("MiCS", "mics_shard_size=8"),
-        {"zero_optimization": {"stage": 3, "mics_shard_size": -1}},
-    ),
-    (
         {"zero_optimization": {"stage": 2, "zenflow": {"topk_ratio": 0.05}}},
         ("ZenFlow",),
         {"zero_optimization": {"stage": 2}},

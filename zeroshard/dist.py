@@ -151,3 +151,40 @@ def shutdown_distributed() -> None:
         comm.barrier(what="shutdown barrier")
     heartbeat.stop_all()
     dist.destroy_process_group()
+
+
+def node_layout(comm: Comm) -> tuple[int, ...]:
+    """The node of each rank of ``comm``'s group (0, 1, ... in order of first appearance), from the
+    launcher's variables: ``GROUP_RANK`` (torchrun's node rank), else ``RANK // LOCAL_WORLD_SIZE``
+    (launchers place consecutive ranks on a node). Never guessed from host names: a single process, or a
+    launch where some rank has neither variable, is one node. Feeds the cross-node byte count
+    (core/traffic.py [Note: bytes across nodes]).
+
+    Collective: call on all ranks of ``comm`` (one ``all_gather_object``).
+    """
+    if comm.world_size == 1:
+        return (0,)
+    mine = _launcher_node()
+    everyone = comm.all_gather_object(mine, what="node layout")
+    if any(node is None for node in everyone):
+        return (0,) * comm.world_size
+    order: dict[int, int] = {}
+    return tuple(order.setdefault(node, len(order)) for node in everyone)
+
+
+def _launcher_node() -> int | None:
+    """This process's node from the launcher's variables, or None where they do not say."""
+    found: dict[str, int] = {}
+    for var in ("GROUP_RANK", "LOCAL_WORLD_SIZE", "RANK"):
+        raw = os.environ.get(var)
+        if raw is None:
+            continue
+        try:
+            found[var] = int(raw)
+        except ValueError:
+            raise ValueError(f"{var}={raw!r} in the environment is not an integer") from None
+    if "GROUP_RANK" in found:
+        return found["GROUP_RANK"]
+    if found.get("LOCAL_WORLD_SIZE", 0) > 0 and "RANK" in found:
+        return found["RANK"] // found["LOCAL_WORLD_SIZE"]
+    return None

@@ -318,9 +318,10 @@ class ZeroConfig(Block):
     zeropp_loco_param: dict[str, Any] | None = None
     """ZeRO++ LoCo settings, kept as given."""
     mics_shard_size: Int = -1
-    """MiCS shard group size (-1 = off)."""
+    """Hybrid sharding (DeepSpeed's MiCS, stages 1-3): shard the state over groups of this many consecutive
+    ranks, replicated across the groups; must divide the world size (-1 or 0 = off: plain ZeRO)."""
     mics_hierarchical_params_gather: Bool = False
-    """MiCS hierarchical all-gather."""
+    """MiCS hierarchical all-gather: accepted, no effect (one all-gather over the shard group)."""
     memory_efficient_linear: Bool = True
     """Stage 3: DeepSpeed's memory-efficient linear layer."""
     pipeline_loading_checkpoint: Bool = False

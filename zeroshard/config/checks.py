@@ -46,8 +46,8 @@ are checked and the lists against each other, and `initialize()` checks the leng
 - sparse_attention, zenflow, datastates_ckpt, weight_quantization: when present (DeepSpeed turns them on
   by presence; weight_quantization unless `enabled: false`);
 - compression_training: when any technique's `shared_parameters.enabled` (or layer_reduction.enabled) is true;
-- ZeRO++ (zero_quantized_*, zero_hpz_partition_size > 1, zeropp_loco_param), MiCS (mics_shard_size > 0,
-  mics_hierarchical_params_gather), SuperOffload (offload_optimizer.super_offload), sequence parallelism
+- ZeRO++ (zero_quantized_*, zero_hpz_partition_size > 1, zeropp_loco_param), SuperOffload
+  (offload_optimizer.super_offload), sequence parallelism
   (sequence_parallel_size > 1, data_parallel_size, seq_parallel_communication_data_type not fp32), and
   DeepSpeed-internal ZeRO and engine switches: when set to a non-default value.
 The config still loads; the warning names the settings that have no effect.
@@ -159,6 +159,29 @@ def _data_types(cfg: ZeroshardConfig, problems: Problems, notes: list[str]) -> N
             else f"casts floating-point buffers to the compute dtype, {compute}"
         )
         notes.append(f"data_types.buffer_dtype: {show(buffer_dtype)} has no effect: zeroshard {instead}")
+
+
+def _hybrid(cfg: ZeroshardConfig, problems: Problems, notes: list[str]) -> None:
+    """``mics_shard_size`` (core/hybrid.py [Note: hybrid sharding]); whether it divides the world size is
+    checked where the world size is known (``initialize``)."""
+    zero = cfg.zero_optimization
+    size = zero.mics_shard_size
+    if size < -1:
+        problems.add(
+            f"zero_optimization.mics_shard_size: {size} is not allowed; expected -1 (off) or a group size "
+            ">= 1"
+        )
+    if size <= 0:
+        return
+    if zero.stage == 0:
+        notes.append("zero_optimization.mics_shard_size has no effect at stage 0: nothing is sharded")
+    for name in ("offload_optimizer", "offload_param"):
+        if getattr(zero, name).device != "none" and zero.stage >= (3 if name == "offload_param" else 1):
+            problems.add(
+                f"zero_optimization.mics_shard_size: {size} with zero_optimization.{name}.device "
+                f"{getattr(zero, name).device!r} is not supported: hybrid sharding keeps the state in device "
+                "memory (DeepSpeed's MiCS refuses offloading too)"
+            )
 
 
 def _without_effect(cfg: ZeroshardConfig, notes: list[str]) -> None:
@@ -282,6 +305,7 @@ def check_config(
         _needs_optimizer(cfg, problems)
     _precision(cfg, problems)
     _offload(cfg, problems, notes)
+    _hybrid(cfg, problems, notes)
     _allreduce_op(cfg, problems)
     _data_types(cfg, problems, notes)
     _without_effect(cfg, notes)

@@ -75,7 +75,6 @@ OUT_OF_SCOPE: tuple[Feature, ...] = (
     Feature("tensor parallelism (AutoTP)", "tensor_parallel", "changed"),
     Feature("the FLOPs profiler", "flops_profiler", "enabled"),
     Feature("ZeRO++", "zero_optimization", "changed", _ZERO_PLUS_PLUS),
-    Feature("MiCS", "zero_optimization", "changed", ("mics_shard_size", "mics_hierarchical_params_gather")),
     Feature("ZenFlow", "zero_optimization.zenflow", "present"),
     Feature("SuperOffload", "zero_optimization.offload_optimizer", "changed", ("super_offload",)),
     Feature("DeepSpeed-internal ZeRO switches", "zero_optimization", "changed", _ZERO_INTERNALS),
@@ -113,6 +112,12 @@ NO_EFFECT: tuple[tuple[str, Any, str], ...] = (
         'zeroshard always averages gradients over the data-parallel ranks, as "mean" (the default) does',
     ),
     ("sparse_gradients", True, "zeroshard reduces every gradient as a dense tensor"),
+    (
+        "zero_optimization.mics_hierarchical_params_gather",
+        True,
+        "hybrid sharding (mics_shard_size) gathers parameters with one all-gather over the shard group, not "
+        "node by node; the results are the same",
+    ),
     ("fp16.fp16_master_weights_and_grads", True, _FP32_STATE),
     ("bf16.bf16_master_weights_and_grads", True, _FP32_STATE),
     ("bf16.bf16_optimizer_states", True, _FP32_STATE),

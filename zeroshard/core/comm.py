@@ -9,7 +9,8 @@ Bytes are counted the way the ZeRO paper counts volume: an all-reduce of Ψ byte
 reduce-scatter followed by an all-gather), a reduce-scatter moves its full input (Ψ) and an all-gather its
 full output (Ψ). So a stage 0–2 training step moves 2Ψ and a stage-3 step 3Ψ, where Ψ is the size of the
 model's trainable parameters in the communication dtype. At world size 1 nothing is sent and nothing is
-counted.
+counted. The same bytes are counted by the group they moved on (the Comm's ``label``), and the bytes this
+rank sent to another node apart (traffic.py [Note: bytes across nodes]).
 
 [Note: direct exchange]
 On gloo, :meth:`Comm.all_gather` and :meth:`Comm.reduce_scatter` do not call torch's
@@ -50,6 +51,7 @@ from zeroshard.core.pending import (
     Pending,
     collective_timeout,
 )
+from zeroshard.core.traffic import direct_cross_bytes, ring_cross_bytes
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -69,6 +71,9 @@ class Comm:
     ``group=None`` with no initialized process group means world size 1: every collective is the identity.
     ``timeout=None`` means :func:`collective_timeout`. ``monitor`` is told of every collective and wait (the
     liveness records, [Note: liveness] in zeroshard/watchdog/monitor.py); none: a :class:`NullMonitor`.
+    ``label`` names the group in the byte counts by group (``CommStats.bytes_by_group``); ``nodes`` (node of
+    each group rank, one node unless set) says which bytes cross nodes (traffic.py [Note: bytes across
+    nodes]).
 
     Collective: every method that moves data must be called on all ranks of ``group``, in the same order.
     """
@@ -79,8 +84,10 @@ class Comm:
         timeout: datetime.timedelta | None = None,
         *,
         monitor: Monitor | None = None,
+        label: str = "world",
     ):
         self.group = group
+        self.label = label
         self.timeout = timeout or collective_timeout()
         self.monitor: Monitor = monitor if monitor is not None else NullMonitor()
         self.stats = CommStats()
@@ -97,6 +104,7 @@ class Comm:
         # gloo: all-gathers and reduce-scatters as point-to-point exchanges, see [Note: direct exchange].
         self.direct = not nccl and self.world_size > 1
         self._exchanges = 0  # exchanges issued on this group: the same count on every rank
+        self.nodes: tuple[int, ...] = (0,) * self.world_size  # the node of each group rank
         # What the liveness records name this group by (the same on every rank) and its global ranks.
         self.key = ""
         self.ranks: tuple[int, ...] = (0,)
@@ -108,8 +116,8 @@ class Comm:
             if not nccl:
                 self.breaker = lambda peer: break_wait(self.group, peer, self.ranks)
 
-    def new_channel(self) -> Comm:
-        """A second group over the same ranks, sharing this one's byte counts.
+    def new_channel(self, label: str = "gather") -> Comm:
+        """A second group over the same ranks, sharing this one's byte counts (counted under ``label``).
 
         Collectives on different groups never wait for each other, so traffic issued from different
         places (stage-3 parameter gathers from module hooks, gradient reductions from gradient hooks) can
@@ -117,16 +125,22 @@ class Comm:
         (of the default group, as ``torch.distributed.new_group`` requires).
         """
         if self.world_size == 1:
-            twin = Comm(None, self.timeout, monitor=self.monitor)
+            twin = Comm(None, self.timeout, monitor=self.monitor, label=label)
         else:
             ranks = dist.get_process_group_ranks(self.group) if self.group is not None else None
             group = dist.new_group(ranks=ranks, timeout=self.timeout)
-            twin = Comm(group, self.timeout, monitor=self.monitor)
+            twin = Comm(group, self.timeout, monitor=self.monitor, label=label)
         twin.stats = self.stats
+        twin.nodes = self.nodes
         return twin
 
-    def _launch(self, what: str, kind: str, nbytes: int, fn: Any, *args: Any, **kwargs: Any) -> Pending:
-        self.stats.add(kind, nbytes)
+    def _count(self, kind: str, nbytes: int, cross_node: int) -> None:
+        self.stats.add(kind, nbytes, group=self.label, cross_node=cross_node)
+
+    def _launch(
+        self, what: str, kind: str, nbytes: int, fn: Any, *args: Any, root: int = 0, **kwargs: Any
+    ) -> Pending:
+        self._count(kind, nbytes, ring_cross_bytes(kind, nbytes, self.rank, self.nodes, root=root))
         seq = self.monitor.note(self.key, kind, what)
         work = self._start(seq, what, lambda: fn(*args, group=self.group, async_op=True, **kwargs))
         return Pending(work, what, self.rank, self.timeout, stats=self.stats, op=kind, channel=self, seq=seq)
@@ -211,7 +225,7 @@ class Comm:
             return works
 
         works = self._start(seq, what, start)
-        self.stats.add("all_gather", nbytes)
+        self._count("all_gather", nbytes, direct_cross_bytes(n * shard.element_size(), rank, self.nodes))
         return Pending(
             works,
             what,
@@ -256,7 +270,7 @@ class Comm:
             for r in range(2, world):
                 output.add_(chunks[r])
 
-        self.stats.add("reduce_scatter", nbytes)
+        self._count("reduce_scatter", nbytes, direct_cross_bytes(n * full.element_size(), rank, self.nodes))
         return Pending(
             works,
             what,
@@ -295,10 +309,9 @@ class Comm:
             raise ValueError(f"{what}: source rank {src} is outside the group's {self.world_size} ranks")
         if self.world_size == 1:
             return DONE
-        root = dist.get_global_rank(self.group, src) if self.group is not None else src
-        return self._launch(
-            what, "broadcast", tensor.numel() * tensor.element_size(), dist.broadcast, tensor, src=root
-        )
+        root_rank = dist.get_global_rank(self.group, src) if self.group is not None else src
+        nbytes = tensor.numel() * tensor.element_size()
+        return self._launch(what, "broadcast", nbytes, dist.broadcast, tensor, src=root_rank, root=src)
 
     def barrier(self, *, what: str = "barrier") -> None:
         """Wait until every rank arrives (bounded by the timeout). Collective: call on all ranks."""

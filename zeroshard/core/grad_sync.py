@@ -34,6 +34,9 @@ sum is divided by ``world_size`` after it.
 How many reductions stay in flight, and which may be waited for before the backward ends:
 ``inflight.py``, [Note: bounded reductions].
 
+With hybrid sharding the units are sharded over a shard group, and the backward of an accumulation boundary
+ends with an all-reduce of the gradient shards over the replica group (hybrid.py [Note: hybrid sharding]).
+
 [Note: repeated gradients]
 The post-accumulate hook runs once per ``AccumulateGrad`` execution, which is once per backward for a
 parameter, however many times the forward used it, except where a backward runs inside the backward:
@@ -56,6 +59,7 @@ from zeroshard.core.buffers import BufferPool
 from zeroshard.core.comm import Comm
 from zeroshard.core.flat_param import FlatUnit
 from zeroshard.core.grad_buckets import GradientBuckets
+from zeroshard.core.hybrid import all_reduce_grad_shards
 from zeroshard.core.inflight import MAX_INFLIGHT, InFlight
 from zeroshard.core.layout import GroupLayout
 from zeroshard.core.reduction_groups import Averaging, ReductionGroup, group_units
@@ -86,7 +90,8 @@ class GradientReducer:
     bounds how many elements of consecutive units' transient buckets are reduced in one collective ([Note:
     coalesced reduction]), and so does the largest unit. ``params`` is told when a unit's gradients are
     reduced and says whether backward gathers; ``inflight`` holds the launched reductions, which the stage-3
-    gatherer may retire too ([Note: reducer and gatherer]).
+    gatherer may retire too ([Note: reducer and gatherer]). ``replica`` (hybrid sharding only) is the group
+    the boundary's gradient shards are all-reduced over ([Note: hybrid sharding] in hybrid.py).
 
     Collective: :meth:`finish_backward` must be called on all ranks.
     """
@@ -103,8 +108,14 @@ class GradientReducer:
         bucket_elements: int,
         params: ParameterSide,
         inflight: InFlight,
+        replica: Comm | None = None,
     ) -> None:
         self.units = list(units)
+        self.replica = replica
+        # Whether the gradient shards hold the replica group's sum since the last zero_grad (a second
+        # boundary backward before the step first takes them back to this shard group's part).
+        self._replicated = False
+        self._boundary = False
         self.pool = pool  # the units' own pool: buckets and reduce-scatter outputs share it
         self.comm = comm
         self.plan = plan
@@ -179,6 +190,9 @@ class GradientReducer:
     def begin_backward(self, reduce: bool) -> None:
         """Start a backward; ``reduce`` says whether this backward's gradients are reduced (boundary)."""
         self._reducing = reduce or self.plan.reduce_every_micro_step
+        self._boundary = reduce
+        if self._reducing and self._replicated:
+            self._unreplicate()
         self._arrived = [set() for _ in self.units]
         self._in_backward = True
         self._complete_units = [0] * len(self.groups)
@@ -207,6 +221,15 @@ class GradientReducer:
                 unit.grad_shard.mul_(undo)
                 unit.grad_reduced = False
         self._window_reduced = False
+
+    def _unreplicate(self) -> None:
+        """Take replicated gradient shards (the world's average) back to this shard group's part of it,
+        so that the next replica all-reduce counts them once."""
+        replicas = self.replica.world_size if self.replica is not None else 1
+        for unit in self.units:
+            if unit.grad_reduced:
+                unit.grad_shard.div_(replicas)
+        self._replicated = False
 
     def _accumulate(self, unit: FlatUnit, i: int, grad: torch.Tensor, adoptable: bool = False) -> None:
         """Add parameter ``i``'s gradient into ``unit``'s accumulator or its group's bucket; with
@@ -265,6 +288,10 @@ class GradientReducer:
                 self._next += 1
             self.needs_reduction = False
         self.wait_all()
+        if self._reducing and self._boundary and self.replica is not None:
+            chunk = max((g.layout.chunk for g in self.groups), default=1)
+            all_reduce_grad_shards(self.units, self.replica, max(1, chunk))
+            self._replicated = True
         self._reducing = False
         self._in_backward = False
 
@@ -360,3 +387,4 @@ class GradientReducer:
         self._buckets.clear()
         self.needs_reduction = False
         self._window_reduced = False
+        self._replicated = False

@@ -163,8 +163,11 @@ class ShardedStep:
         plan: StagePlan,
         allgather_bucket_size: int = 500_000_000,
         swapper: OffloadedStep | None = None,
+        replica: Comm | None = None,
     ) -> None:
         self.allgather_bucket_size = allgather_bucket_size
+        # Hybrid sharding: the ranks holding the same shards ([Note: hybrid sharding] in hybrid.py).
+        self.replica = replica
         self.swapper = swapper
         self.stepping = False  # inside run(): the only place the client optimizer may step
         self.units = list(units)
@@ -272,7 +275,13 @@ class ShardedStep:
         shared = sq_norm if self.plan.shard_optimizer else torch.zeros_like(sq_norm)
         flags64 = has_grad.to(device=device, dtype=torch.float64)
         packed = torch.cat([torch.stack([nonfinite, shared]), flags64])
-        summed = self.comm.sum_scalar(packed, what="step checks all_reduce").cpu()  # the one host sync
+        summed = self.comm.sum_scalar(packed, what="step checks all_reduce")
+        if self.replica is not None:
+            # The replicas hold the same shards: the norm is the shard group's; the flags span the world.
+            rest = torch.cat([summed[:1], summed[2:]])
+            rest = self.replica.sum_scalar(rest, what="step checks replica all_reduce")
+            summed = torch.cat([rest[:1], summed[1:2], rest[1:]])
+        summed = summed.cpu()  # the one host sync
         total = float(summed[1]) if self.plan.shard_optimizer else float(sq_norm)
         # The fp32 norm squared in float64 is exact, so its square root gives the fp32 norm back.
         return StepChecks(

@@ -70,6 +70,11 @@ class CommStats:
     """Seconds spent blocked in ``Pending.wait()``, per kind of collective."""
     control_calls: int = 0
     """Small control collectives launched (flags, norms, agreements): counted; they carry no model state."""
+    bytes_by_group: Counter[str] = field(default_factory=Counter)
+    """The same bytes by the group they moved on: the ``label`` of the :class:`~zeroshard.core.comm.Comm`
+    ("world", "shard", "replica", "gather")."""
+    cross_node_bytes: int = 0
+    """Bytes this rank sent to a rank on another node (comm.py [Note: bytes across nodes])."""
 
     @property
     def total_bytes(self) -> int:
@@ -79,9 +84,11 @@ class CommStats:
     def total_wait_s(self) -> float:
         return sum(self.wait_s_by_op.values())
 
-    def add(self, op: str, nbytes: int) -> None:
+    def add(self, op: str, nbytes: int, *, group: str = "world", cross_node: int = 0) -> None:
         self.bytes_by_op[op] += nbytes
         self.calls_by_op[op] += 1
+        self.bytes_by_group[group] += nbytes
+        self.cross_node_bytes += cross_node
 
     def add_wait(self, op: str, seconds: float) -> None:
         self.wait_s_by_op[op] = self.wait_s_by_op.get(op, 0.0) + seconds
@@ -91,6 +98,8 @@ class CommStats:
         self.calls_by_op.clear()
         self.wait_s_by_op.clear()
         self.control_calls = 0
+        self.bytes_by_group.clear()
+        self.cross_node_bytes = 0
 
 
 class Pending:

@@ -86,6 +86,9 @@ class UnitOptions:
     master_device: torch.device | None = None
     on_unit: Callable[[FlatUnit], None] | None = None
     pool: BufferPool | None = None  # where stage-3 gathered buffers are reused
+    # The data-parallel group zero.Init partitioned over, where units shard over a smaller group (hybrid
+    # sharding: hybrid.py [Note: hybrid sharding]); None: the units' own.
+    init_comm: Comm | None = None
 
 
 @dataclass
@@ -112,6 +115,10 @@ class _Ctx:
     comm: Comm
     options: UnitOptions = field(default_factory=UnitOptions)
 
+    @property
+    def init_comm(self) -> Comm:
+        return self.options.init_comm or self.comm
+
 
 def build_units(
     model: nn.Module,
@@ -126,7 +133,7 @@ def build_units(
     # Frozen parameters belong to no unit: they stay whole on every rank, at every stage. Those zero.Init
     # partitioned while they were still trainable (from_pretrained under ZeRO-3, then frozen by PEFT) get
     # their full values back here, in the model's parameter order on every rank.
-    materialize([p for p in model.parameters() if not p.requires_grad], comm)
+    materialize([p for p in model.parameters() if not p.requires_grad], ctx.init_comm)
     if not plan.shard_parameters:
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         units: list[FlatUnit] = []
@@ -138,7 +145,7 @@ def build_units(
 def _make(units: list[FlatUnit], named: Named, plan: StagePlan, ctx: _Ctx) -> FlatUnit:
     world = ctx.comm.world_size if plan.shard_optimizer else 1
     rank = ctx.comm.rank if plan.shard_optimizer else 0
-    materialize([p for _, p in named], ctx.comm)  # zero.Init: full values for one unit at a time
+    materialize([p for _, p in named], ctx.init_comm)  # zero.Init: full values for one unit at a time
     unit = FlatUnit(
         len(units),
         [p for _, p in named],

@@ -25,6 +25,7 @@ from zeroshard.core.buffers import BufferPool
 from zeroshard.core.comm import Comm
 from zeroshard.core.flat_param import FlatUnit, OptimizerSlice
 from zeroshard.core.grad_sync import GradientReducer
+from zeroshard.core.hybrid import ShardGroups, shard_groups
 from zeroshard.core.inflight import InFlight
 from zeroshard.core.optimizer import (
     ShardedStep,
@@ -38,7 +39,7 @@ from zeroshard.core.stage3.gatherer import ParameterGatherer
 from zeroshard.core.stages import StagePlan, plan_for
 from zeroshard.core.units import UnitOptions, UnitRules, build_units
 from zeroshard.core_config import loss_scaler_from_config, policy_from_config, unit_rules_from_config
-from zeroshard.dist import init_distributed, local_rank, training_device
+from zeroshard.dist import init_distributed, local_rank, node_layout, training_device
 from zeroshard.errors import ArgumentError
 from zeroshard.lr_schedules import build_scheduler
 from zeroshard.offload.setup import Offload, build_offload
@@ -87,6 +88,7 @@ def initialize(
     comm = Comm(group, monitor=heartbeat.monitor_for_world())
     heartbeat.start(comm)
     with comm.monitor.api("initialize"):
+        comm.nodes = node_layout(comm)  # which bytes cross nodes: core/traffic.py
         client_opt = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
         cfg = _read_config(
             model, resolve_config_source(config, config_params, args), client_opt, optimizer, comm
@@ -95,13 +97,16 @@ def initialize(
         plan = plan_for(cfg.zero_optimization.stage)
         groups = normalize_param_groups(model, client_opt.param_groups if client_opt else model_parameters)
         device = _place_model(model, comm)
-        parts = _build_units(model, cfg, plan, comm)
+        # Stage 0 shards nothing: hybrid sharding has no effect there ([Note: hybrid sharding]).
+        shard_size = cfg.zero_optimization.mics_shard_size if plan.shard_optimizer else -1
+        sharding = shard_groups(comm, shard_size, gather_channel=plan.shard_parameters)
+        parts = _build_units(model, cfg, plan, sharding)
         sharded_groups, slices = shard_param_groups(groups, parts.units)
         opt = _build_optimizer(optimizer, cfg, sharded_groups, plan)
         if parts.offload.optimizer_swapper is not None:
             _bind_swapper(parts.offload.optimizer_swapper, slices, opt)
         scheduler = _build_scheduler(lr_scheduler, cfg, opt)
-        engine = _assemble_engine(model, cfg, plan, comm, parts, slices, opt, scheduler, device)
+        engine = _assemble_engine(model, cfg, plan, sharding, parts, slices, opt, scheduler, device)
         loader = _build_dataloader(training_data, cfg, comm, collate_fn)
         engine.training_dataloader = loader
         return engine, opt, loader, scheduler
@@ -161,14 +166,13 @@ class _Parts:
     rules: UnitRules
 
 
-def _build_units(model: nn.Module, cfg: ZeroshardConfig, plan: StagePlan, comm: Comm) -> _Parts:
+def _build_units(model: nn.Module, cfg: ZeroshardConfig, plan: StagePlan, sharding: ShardGroups) -> _Parts:
     policy = policy_from_config(cfg)
     rules = unit_rules_from_config(cfg)
-    offload = build_offload(cfg, plan, policy, model, comm)
+    offload = build_offload(cfg, plan, policy, model, sharding.world)  # no offload when hybrid (checks.py)
     pool = BufferPool()  # transient flat buffers reused across units: see buffers.py, sized below
-    built = build_units(
-        model, rules, plan, policy, comm, UnitOptions(offload.master_device, offload.on_unit, pool)
-    )
+    options = UnitOptions(offload.master_device, offload.on_unit, pool, init_comm=sharding.world)
+    built = build_units(model, rules, plan, policy, sharding.shard, options)
     # Idle buffers fill the room below the high-water mark plus two bucket-sized units ([Note: bounded
     # units]), or the largest unit if smaller: the spare adds to peak RSS in every backward. On the
     # large bench GPT at stage 3 one largest unit (its 64 MiB embedding) held the backward above
@@ -196,7 +200,7 @@ def _bind_swapper(
 
 
 def _build_sync(
-    model: nn.Module, cfg: ZeroshardConfig, plan: StagePlan, comm: Comm, parts: _Parts
+    model: nn.Module, cfg: ZeroshardConfig, plan: StagePlan, sharding: ShardGroups, parts: _Parts
 ) -> tuple[GradientReducer, ParameterGatherer | None]:
     """The gradient reducer (every stage) and, at stage 3, the parameter gatherer, built first and handed to
     the reducer ([Note: reducer and gatherer])."""
@@ -204,9 +208,11 @@ def _build_sync(
     inflight = InFlight()  # the reducer launches its reductions into it; the gatherer may retire them
     gatherer = None
     if parts.module_units:
+        if sharding.gather is None:
+            raise RuntimeError(f"rank {sharding.world.rank}: stage-3 units were built without a gather group")
         gatherer = ParameterGatherer(
             parts.module_units,
-            comm.new_channel(),  # parameter gathers on their own group: see Comm.new_channel
+            sharding.gather,  # parameter gathers on their own group: see Comm.new_channel
             prefetch_elements=zero.prefetch_bucket_size,
             max_live_elements=zero.max_live_parameters,
             max_reuse_distance=zero.max_reuse_distance,
@@ -215,9 +221,10 @@ def _build_sync(
         )
     reducer = GradientReducer(
         parts.units,
-        comm,
+        sharding.shard,
         plan,
-        Averaging(comm.world_size, cfg.prescale_gradients, cfg.gradient_predivide_factor),
+        # Averaged over every rank, also where the units shard over fewer ([Note: hybrid sharding]).
+        Averaging(sharding.world.world_size, cfg.prescale_gradients, cfg.gradient_predivide_factor),
         overlap_comm=zero.overlap_comm,
         pool=parts.pool,
         # Coalesced stage-3 buckets are bounded like stage 0-2 units ([Note: bounded units]): with
@@ -225,6 +232,7 @@ def _build_sync(
         bucket_elements=parts.rules.unit_elements,
         params=gatherer if gatherer is not None else NoGatherer(gathers=plan.shard_parameters),
         inflight=inflight,
+        replica=sharding.replica,
     )
     reducer.register_hooks()
     if gatherer is not None:
@@ -236,7 +244,7 @@ def _assemble_engine(
     model: nn.Module,
     cfg: ZeroshardConfig,
     plan: StagePlan,
-    comm: Comm,
+    sharding: ShardGroups,
     parts: _Parts,
     slices: list[OptimizerSlice],
     opt: torch.optim.Optimizer | None,
@@ -244,7 +252,8 @@ def _assemble_engine(
     device: torch.device,
 ) -> ZeroshardEngine:
     """Wire the units to the reducer, the gatherer and the sharded step, and make the engine over them."""
-    reducer, gatherer = _build_sync(model, cfg, plan, comm, parts)
+    reducer, gatherer = _build_sync(model, cfg, plan, sharding, parts)
+    comm = sharding.world
     trained = TrainedParameters(parts.units, gatherer, comm)
     install_state_dict_hooks(model, trained)
     return ZeroshardEngine(
@@ -252,15 +261,17 @@ def _assemble_engine(
         config=cfg,
         plan=plan,
         comm=comm,
+        sharding=sharding,
         units=parts.units,
         reducer=reducer,
         sharded_step=ShardedStep(
             parts.units,
             slices,
-            comm,
+            sharding.shard,
             plan,
             allgather_bucket_size=cfg.zero_optimization.allgather_bucket_size,
             swapper=parts.offload.optimizer_swapper,
+            replica=sharding.replica,
         ),
         offload=parts.offload,
         optimizer=opt,

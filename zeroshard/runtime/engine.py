@@ -27,6 +27,7 @@ from zeroshard.config import ZeroshardConfig
 from zeroshard.core.comm import Comm
 from zeroshard.core.flat_param import FlatUnit
 from zeroshard.core.grad_sync import GradientReducer
+from zeroshard.core.hybrid import ShardGroups
 from zeroshard.core.liveness import collective_api
 from zeroshard.core.loss_scaler import LossScaleFloorError, LossScaler
 from zeroshard.core.memory import MemoryBreakdown, measure
@@ -71,12 +72,14 @@ class ZeroshardEngine(DeepSpeedQueries, CheckpointMethods):
         gatherer: ParameterGatherer | None = None,
         offload: Offload | None = None,
         trained: TrainedParameters | None = None,
+        sharding: ShardGroups | None = None,
     ) -> None:
         super().__init__()
         self.module = module
         self.config = config
         self.plan = plan
-        self.comm = comm
+        self.comm = comm  # every data-parallel rank; the units may shard over fewer (hybrid.py)
+        self.sharding = sharding or ShardGroups(comm, comm)
         self.units = list(units)
         self.reducer = reducer
         self.sharded_step = sharded_step
@@ -417,7 +420,7 @@ class ZeroshardEngine(DeepSpeedQueries, CheckpointMethods):
             self.units,
             self.optimizer,
             stage=self.plan.stage,
-            world_size=self.world_size,
+            world_size=self.sharding.shard.world_size,  # the ranks the state is sharded over
             communication_buffers=self.reducer.peak_bucket_bytes,
             offloaded=self.offload.offloaded_bytes(),
             cached_buffers=self.reducer.pool.idle_bytes,
@@ -426,3 +429,14 @@ class ZeroshardEngine(DeepSpeedQueries, CheckpointMethods):
     def communication_bytes(self) -> int:
         """Bytes moved by model-state collectives since the engine was built (see comm.py)."""
         return self.comm.stats.total_bytes
+
+    def communication_bytes_by_group(self) -> dict[str, int]:
+        """:meth:`communication_bytes` by the group each collective ran on: ``"world"`` (every rank, plain
+        ZeRO), ``"shard"`` and ``"replica"`` (hybrid sharding: hybrid.py [Note: hybrid sharding]),
+        ``"gather"`` (stage 3's parameter gathers)."""
+        return {group: n for group, n in self.comm.stats.bytes_by_group.items() if n}
+
+    def cross_node_bytes(self) -> int:
+        """Bytes this rank sent to ranks on other nodes since the engine was built, by the model-state
+        collectives (core/traffic.py [Note: bytes across nodes]); per step: the difference across it."""
+        return self.comm.stats.cross_node_bytes
