@@ -30,7 +30,9 @@ its parameters and gradient, (c + g)·L bytes for the largest layer of L paramet
 counted only when the largest layer is given. Host bytes are reported per node (gpus_per_node ranks); with
 NVMe offload they move from the CPU column to the NVMe column. For mixed-precision Adam and no offload the
 GPU totals are the paper's 16N, 4N + 12N/W, 2N + 14N/W and 16N/W; for 7B parameters on 8 GPUs, 112 GB,
-38.5 GB, 26.25 GB and 14 GB.
+38.5 GB, 26.25 GB and 14 GB. With hybrid sharding (``mics_shard_size`` S, core/hybrid.py) the state is
+sharded over S ranks: the same formulas with S in place of W, and no offload rows (hybrid sharding keeps
+the state in device memory).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from zeroshard.core.hybrid import check_shard_size
 from zeroshard.core.memory import ADAM_STATE_BYTES, Predicted, predict
 
 __all__ = [
@@ -184,6 +187,7 @@ def estimate_memory(
     offload: str | list[str] | tuple[str, ...] | None = None,
     stages: tuple[int, ...] = (0, 1, 2, 3),
     state_bytes: int = ADAM_STATE_BYTES,
+    mics_shard_size: int = -1,
 ) -> MemoryEstimate:
     """Estimates model-state memory for every ZeRO stage and offload option.
 
@@ -200,6 +204,7 @@ def estimate_memory(
         offload: Names from `OFFLOAD_OPTIONS` to estimate (one name or several); None means all.
         stages: The ZeRO stages to estimate.
         state_bytes: Optimizer-state bytes per parameter besides the master copy (Adam: 8).
+        mics_shard_size: Hybrid sharding's group size S (-1: off): state over S ranks, no offload rows.
 
     Returns:
         One row per supported (stage, offload) pair, stages in order, options in `OFFLOAD_OPTIONS` order.
@@ -226,17 +231,27 @@ def estimate_memory(
     if bad_stages:
         raise ValueError(f"stages: {bad_stages[0]!r} is not a ZeRO stage; expected 0, 1, 2 or 3")
     c = DTYPE_BYTES[dtype]
-    w = per_node * node_count
+    w = _sharded_over(mics_shard_size, per_node * node_count)
     rows = []
     for stage in sorted(set(stages)):
         for name in OFFLOAD_OPTIONS:
             option = OFFLOAD_OPTIONS[name]
-            if name not in names or stage not in option.stages:
+            if (
+                name not in names
+                or stage not in option.stages
+                or (name != "none" and w < per_node * node_count)
+            ):
                 continue
             gpu, cpu, nvme = _offload_row(stage, option, n, w, per_node, c, state_bytes)
             working = 2 * c * layer if stage == 3 and layer is not None else 0
             rows.append(EstimateRow(stage, name, gpu, working, cpu, nvme))
     return MemoryEstimate(n, layer, per_node, node_count, dtype, tuple(rows))
+
+
+def _sharded_over(mics_shard_size: int, world_size: int) -> int:
+    """How many ranks the state is sharded over: the world, or hybrid sharding's group size."""
+    check_shard_size(mics_shard_size, world_size)
+    return world_size if mics_shard_size in (-1, 0) else mics_shard_size
 
 
 # -- parameter counts from a Hugging Face config ------------------------------------------------------------

@@ -85,7 +85,12 @@ def untrained_state(module: nn.Module, names: Names) -> dict[str, Any]:
 
 def written_pieces(engine: TrainingState) -> list[tuple[FlatUnit, Piece]]:
     """The pieces this rank writes: its own shard of every sharded unit; replicated units (world size 1:
-    stage 0) are written by the first rank only."""
+    stage 0) are written by the first rank only. With hybrid sharding only the first shard group writes
+    (the others hold the same shards: core/hybrid.py [Note: hybrid sharding]), a checkpoint laid out as one
+    saved at the shard group's size."""
+    replica = engine.sharded_step.replica
+    if replica is not None and replica.rank != 0:
+        return []
     out = []
     for unit in engine.units:
         if unit.layout.world_size == 1 and engine.comm.rank != 0:

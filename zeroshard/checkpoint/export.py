@@ -134,7 +134,8 @@ def _gather_from_masters(engine: TrainingState, unit: FlatUnit, index: int) -> t
 
     Collective when the unit is sharded: each rank contributes its piece, padded to the largest piece.
     """
-    return gather_param_from_shards(engine.comm, unit, index, unit.master, "export")
+    # Over the group the unit is sharded over (hybrid sharding: the shard group, core/hybrid.py).
+    return gather_param_from_shards(engine.sharded_step.comm, unit, index, unit.master, "export")
 
 
 def gather_param_from_shards(

@@ -50,6 +50,11 @@ class DeepSpeedQueries(DeepSpeedMethods):
             "when it builds the engine; set communication_data_type in the ds_config instead"
         )
 
+    def mics_shard_size(self) -> int:
+        """DeepSpeed's ``engine.mics_shard_size()``: the config's ``zero_optimization.mics_shard_size``
+        (-1: off; core/hybrid.py [Note: hybrid sharding])."""
+        return self.config.zero_optimization.mics_shard_size
+
 
 for _name, _query in QUERIES.items():
     setattr(DeepSpeedQueries, _name, _method(_name, _query))

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from zeroshard.checkpoint.export import _gather_from_masters, gather_param_from_shards
+from zeroshard.checkpoint.export import gather_param_from_shards
 from zeroshard.core.comm import Comm
 from zeroshard.core.flat_param import FlatUnit
 from zeroshard.deepspeed import surface
@@ -30,11 +30,6 @@ __all__ = [
     "safe_set_full_fp32_param",
     "safe_set_full_optimizer_state",
 ]
-
-
-class _CommHolder:
-    def __init__(self, comm: Any) -> None:
-        self.comm = comm
 
 
 def _unit_and_index(param: nn.Parameter, what: str) -> tuple[FlatUnit, int, Comm]:
@@ -52,7 +47,7 @@ def _unit_and_index(param: nn.Parameter, what: str) -> tuple[FlatUnit, int, Comm
 def safe_get_full_fp32_param(param: nn.Parameter) -> torch.Tensor:
     """The parameter's full fp32 (master) value, shaped like the parameter. Collective: all ranks."""
     unit, index, comm = _unit_and_index(param, "safe_get_full_fp32_param")
-    flat = _gather_from_masters(_CommHolder(comm), unit, index)  # type: ignore[arg-type]
+    flat = gather_param_from_shards(comm, unit, index, unit.master, "export")
     return flat.reshape(unit.shapes[index]).clone()
 
 
