@@ -40,6 +40,12 @@ def _unit_and_index(param: nn.Parameter, what: str) -> tuple[FlatUnit, int, Comm
             "pass a parameter of the model given to deepspeed.initialize"
         )
     unit, _, comm = owner
+    if unit.layout.world_size not in (1, comm.world_size):
+        raise NotImplementedError(
+            f"{what} is not supported with hybrid sharding (zero_optimization.mics_shard_size "
+            f"{unit.layout.world_size} of {comm.world_size} ranks): use engine.full_state_dict() or a "
+            "checkpoint"
+        )
     index = next(i for i, p in enumerate(unit.params) if p is param)
     return unit, index, comm
 
