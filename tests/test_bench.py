@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -207,3 +208,35 @@ def test_soak_quick(tmp_path: Path) -> None:
             row,
         )
     assert doc["table_markdown"].count("\n") == 1 + 5
+
+
+MULTINODE_ROWS = ["ddp", "fsdp2-hsdp", "zeroshard-stage3", "zeroshard-stage3-mics2"]
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(os.geteuid() != 0, reason="bench/multinode.py builds network namespaces: needs root")
+def test_multinode_quick(tmp_path: Path) -> None:
+    """bench/multinode.py --quick on one row of each kind: the link is shaped (a stream across it runs at
+    about --rate, one inside a namespace leaves the veth alone), every row's ranks send bytes across it, MiCS
+    less than plain stage 3, losses equal DDP's; nothing is left behind. No step-time assertions."""
+    out = tmp_path / "multinode_quick.json"
+    cmd = [sys.executable, str(ROOT / "bench" / "multinode.py"), "--quick", "--rate", "200mbit"]
+    proc = subprocess.run(
+        [*cmd, "--only", *MULTINODE_ROWS, "--out", str(out)], capture_output=True, text=True, timeout=580
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    doc = json.loads(out.read_text())
+    link = doc["link"]
+    assert link["rate_bits_per_s"] == 200e6 and link["across_gbit_per_s"] < 0.25, link
+    assert link["inside_node_veth_tx_bytes"] < 2**16 < link["across_veth_tx_bytes"], link
+    rows = doc["rows"]
+    assert list(rows) == MULTINODE_ROWS
+    for name, row in rows.items():
+        assert row["median_step_s"] > 0 and row["cross_node_bytes_per_step"] > 0, name
+        assert row["max_abs_loss_diff_vs_ddp"] < 1e-4, (name, row["max_abs_loss_diff_vs_ddp"])
+    mics = rows["zeroshard-stage3-mics2"]
+    assert mics["key_in_effect"] is True
+    assert mics["cross_node_bytes_per_step"] < rows["zeroshard-stage3"]["cross_node_bytes_per_step"]
+    names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert "zs_node" not in names, names

@@ -285,3 +285,39 @@ def gpu(load: Load) -> str:
             f"| {per_param} | {r['peak_rss_bytes'] / GIB:.1f} |"
         )
     return _join(f"Measured on: one {doc['device']}, torch {doc['torch']}.", "\n".join(lines))
+
+
+def multinode(load: Load) -> str:
+    doc = load("multinode.json")
+    link = doc["link"]
+    lines = [
+        "| row | median step (s) | × HSDP | crossed the link per step (MB) | zeroshard's count (MB) "
+        "| formula (MB) | × plain: measured / formula | key in effect | peak RSS per rank (MiB) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in doc["rows"].values():
+        ratio = "" if r["step_ratio_to_hsdp"] is None else f"{r['step_ratio_to_hsdp']:.2f}"
+        formula = "" if r["formula_bytes_per_step"] is None else f"{r['formula_bytes_per_step'] / 1e6:.1f}"
+        counted = r.get("zeroshard_cross_node_bytes_per_step")
+        count = "" if counted is None else f"{counted / 1e6:.1f}"
+        fraction = (
+            ""
+            if r["fraction_of_plain_measured"] is None
+            else f"{r['fraction_of_plain_measured']:.2f} / {r['fraction_of_plain_formula']:.2f}"
+        )
+        effect = {None: "", True: "yes", False: "no (zeroshard warns: no effect)"}[r["key_in_effect"]]
+        lines.append(
+            f"| {r['label']} | {r['median_step_s']:.2f} | {ratio} "
+            f"| {r['cross_node_bytes_per_step'] / 1e6:.1f} | {count} | {formula} | {fraction} | {effect} "
+            f"| {r['peak_rss_bytes'] / MIB:.0f} |"
+        )
+    s = doc["settings"]
+    run = (
+        f"{doc['num_parameters'] / 1e6:.1f}M parameters (Ψ = {doc['psi_bytes'] / 1e6:.0f} MB), "
+        f"{s['micro_batch']} × {s['seq_len']} tokens per rank, {s['steps']} timed steps; "
+        f"{s['nodes']} namespaces × {s['ranks_per_node']} ranks; link `tbf rate {link['rate']}`, "
+        f"{link['across_gbit_per_s']:.2f} Gbit/s measured across it "
+        f"({link['inside_node_gbit_per_s']:.1f} inside a namespace, "
+        f"{link['inside_node_veth_tx_bytes']} bytes of that on the veth)."
+    )
+    return _join(machine_line(doc["machine"]) + " " + run, "\n".join(lines))
