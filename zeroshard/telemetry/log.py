@@ -68,4 +68,6 @@ def format_step(record: StepRecord) -> str:
         format_memory(memory),
         f"comm {format_bytes(record.comm_bytes)}, wait {record.comm_wait_s * 1e3:.1f} ms",
     ]
+    if record.cross_node_bytes:
+        parts[-1] += f", {format_bytes(record.cross_node_bytes)} across nodes"
     return " | ".join(parts)

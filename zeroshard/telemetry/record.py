@@ -43,5 +43,8 @@ class StepRecord:
     in the backward hooks included ([Note: communication wait] in zeroshard/core/comm.py)."""
     memory_bytes: int
     """This rank's model-state memory (`engine.memory_breakdown().total`)."""
+    cross_node_bytes: int = 0
+    """Bytes this rank sent to ranks on other nodes during this step (zeroshard/core/traffic.py [Note: bytes
+    across nodes]); 0 on one node."""
     rank_memory_bytes: list[int] | None = None
     """Every rank's `memory_bytes`, in rank order, at `steps_per_print` steps; None at other steps."""

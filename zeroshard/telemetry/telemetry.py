@@ -107,7 +107,7 @@ class Telemetry:
         self._keeps_loss = bool(steps_per_print) or self._monitored or self._bar is not None
         self._losses: list[torch.Tensor] = []
         self._last_step_end = time.perf_counter()
-        self._comm_at_last_step = _comm_totals(comm.stats) if comm is not None else (0, 0.0)
+        self._comm_at_last_step = _comm_totals(comm.stats) if comm is not None else (0, 0.0, 0)
         self._at_last_step: dict[str, float] = {}
         self._at_last_print: dict[str, float] = {}
         self._steps_since_print = 0
@@ -211,7 +211,7 @@ class Telemetry:
         """
         now = time.perf_counter()
         elapsed, self._last_step_end = now - self._last_step_end, now
-        comm_bytes, comm_wait_s = self._comm_since_last_step()
+        comm_bytes, comm_wait_s, cross_node_bytes = self._comm_since_last_step()
         losses, self._losses = self._losses, []
         printed = bool(self.steps_per_print) and global_step % (self.steps_per_print or 1) == 0
         shared = self._comm is not None and self.world_size > 1 and (printed or self._monitored)
@@ -237,6 +237,7 @@ class Telemetry:
                 samples_per_s=self.train_batch_size / elapsed if elapsed > 0 else 0.0,
                 comm_bytes=comm_bytes,
                 comm_wait_s=comm_wait_s,
+                cross_node_bytes=cross_node_bytes,
                 memory_bytes=memory,
                 rank_memory_bytes=per_rank,
             )
@@ -255,14 +256,15 @@ class Telemetry:
             return None  # only this rank's loss is here, and the report says the loss is global
         return float(torch.stack(losses).double().mean())
 
-    def _comm_since_last_step(self) -> tuple[int, float]:
+    def _comm_since_last_step(self) -> tuple[int, float, int]:
+        """Bytes, seconds waited and bytes sent to other nodes since the last step."""
         if self._comm is None:
-            return 0, 0.0
-        (nbytes, wait_s), (last_bytes, last_wait_s) = _comm_totals(self._comm.stats), self._comm_at_last_step
-        self._comm_at_last_step = (nbytes, wait_s)
-        if nbytes < last_bytes or wait_s < last_wait_s:  # the counters were reset since (build.py, tests)
-            return nbytes, wait_s
-        return nbytes - last_bytes, wait_s - last_wait_s
+            return 0, 0.0, 0
+        now, last = _comm_totals(self._comm.stats), self._comm_at_last_step
+        self._comm_at_last_step = now
+        if any(n < m for n, m in zip(now, last, strict=True)):  # the counters were reset since (build.py)
+            return now
+        return now[0] - last[0], now[1] - last[1], now[2] - last[2]
 
     def on_step(self, record: StepRecord) -> None:
         """Writes one step's record: the progress bar and monitors every step, a log line every
@@ -330,8 +332,8 @@ class Telemetry:
             monitor.close()
 
 
-def _comm_totals(stats: CommStats) -> tuple[int, float]:
-    return stats.total_bytes, stats.total_wait_s
+def _comm_totals(stats: CommStats) -> tuple[int, float, int]:
+    return stats.total_bytes, stats.total_wait_s, stats.cross_node_bytes
 
 
 def _reduction_wait_s(stats: CommStats) -> float:
