@@ -5,15 +5,20 @@
 
 Model: bench/peers.py's large GPT (12 layers, width 1024, vocab 16384, block 128), zeroshard stage 2, fp32
 AdamW, 1 x 32 tokens per rank per step, W=2 gloo on this machine's CPUs; checkpoints go to a temporary
-directory (/tmp, here the disk of the repository). Per rank:
+directory (/tmp, here the disk of the repository). After one synchronous save, ``async_saves`` asynchronous
+ones, each followed by steps until its write ended and a ``wait_for_checkpoint``. Per rank:
 
 * ``step``: the median of ``steps`` steps without a save in flight.
 * ``sync save``: the time ``save_checkpoint`` blocks (write, fsync, publish).
-* ``async stall``: the time ``save_checkpoint(async_save=True)`` blocks (copy to host memory, metadata).
-* ``step during write``: the median time of the steps run while that save's background write was in flight
-  on some rank (a step that ends after the write finished counts).
-* ``write``: from the async call's return to the end of the background write; ``publish``: the
-  ``wait_for_checkpoint`` that follows (metadata.json, renames, ``latest``).
+* ``async stall`` (the headline): the time ``save_checkpoint(async_save=True)`` blocks in the steady state,
+  the slowest of the second and later asynchronous saves, which copy into the host buffers the first one
+  allocated ([Note: host snapshot buffers]); ``first async stall``: the first save, which allocates them
+  and pays the page faults. ``copy``: the part of a stall spent copying into the buffers (the rest is the
+  tag and token agreement, gathering the file entries and building metadata.json).
+* ``step during write``: the median time of the steps run while a save's background write was in flight
+  on some rank (a step that ends after the write finished counts), over every asynchronous save.
+* ``write``: from the async call's return to the end of the background write (median over the saves);
+  ``publish``: the ``wait_for_checkpoint`` that follows (metadata.json, renames, ``latest``; the slowest).
 
 Each number is the slower rank's. Raw results: ``bench/results/checkpoint_async.json``.
 """
@@ -49,6 +54,7 @@ SIZES: dict[str, dict[str, Any]] = {
         "warmup": 2,
         "steps": 4,
         "during": 12,
+        "async_saves": 3,
     },
     "quick": {
         "model": {"vocab_size": 256, "block_size": 32, "n_layer": 2, "n_head": 2, "n_embd": 32},
@@ -57,12 +63,30 @@ SIZES: dict[str, dict[str, Any]] = {
         "warmup": 1,
         "steps": 3,
         "during": 3,
+        "async_saves": 3,
     },
 }
 
 
+def _time_copies(copies: list[float]) -> None:
+    """Add the seconds each host-buffer copy of this process takes to ``copies``."""
+    from zeroshard.checkpoint.host_buffers import HostBuffers
+
+    copy = HostBuffers.copy
+
+    def timed(self: HostBuffers, tensors: Any) -> list[torch.Tensor]:
+        start = time.perf_counter()
+        try:
+            return copy(self, tensors)
+        finally:
+            copies.append(time.perf_counter() - start)
+
+    HostBuffers.copy = timed  # type: ignore[method-assign]
+
+
 def worker(rank: int, run: dict[str, Any]) -> dict[str, Any]:
-    """Build the engine, time steps, a synchronous save, an asynchronous one and the steps during its write.
+    """Build the engine, time steps, a synchronous save, then asynchronous saves and the steps during their
+    writes.
 
     Collective: every rank runs it.
     """
@@ -72,7 +96,7 @@ def worker(rank: int, run: dict[str, Any]) -> dict[str, Any]:
     engine, _, _, _ = zeroshard.initialize(
         model=model, model_parameters=model.parameters(), config=ds_config({"stage": 2}, run["micro_batch"])
     )
-    n = run["warmup"] + run["steps"] + run["during"] + 2
+    n = run["warmup"] + run["steps"] + run["during"] * run["async_saves"] + 2
     tokens = tokens_for(rank, n, run["micro_batch"], run["model"], run["seq_len"])
     it = iter(range(n))
 
@@ -90,9 +114,43 @@ def worker(rank: int, run: dict[str, Any]) -> dict[str, Any]:
     start = time.perf_counter()
     engine.save_checkpoint(str(root / "sync"), tag="t")
     sync_s = time.perf_counter() - start
+    copies: list[float] = []
+    _time_copies(copies)
+    saves = [
+        _async_save(engine, root, f"t{i}", step, run["during"], copies) for i in range(run["async_saves"])
+    ]
+    host = engine.__dict__["_checkpoint_writer"].host
+    steady = saves[1:] or saves
+    return {
+        "step_s": statistics.median(steps),
+        "sync_save_s": sync_s,
+        "async_stall_s": max(s["stall_s"] for s in steady),
+        "async_copy_s": max(s["copy_s"] for s in steady),
+        "first_async_stall_s": saves[0]["stall_s"],
+        "first_async_copy_s": saves[0]["copy_s"],
+        "step_during_write_s": statistics.median(d for s in saves for d in s["during"])
+        if any(s["during"] for s in saves)
+        else float("nan"),
+        "write_s": statistics.median(s["write_s"] for s in saves),
+        "publish_s": max(s["publish_s"] for s in saves),
+        "saves": saves,
+        "host_buffer_bytes": host.shard.nbytes + host.extra.nbytes,
+        "host_buffer_allocations": host.shard.allocations + host.extra.allocations,
+        "shard_bytes": sum(
+            f.stat().st_size for f in (root / "async" / "t0").iterdir() if f.name.startswith("shard")
+        ),
+        "rank": rank,
+    }
+
+
+def _async_save(
+    engine: Any, root: Path, tag: str, step: Any, max_steps: int, copies: list[float]
+) -> dict[str, Any]:
+    """One asynchronous save: its stall, then steps until every rank's write ended, then the publish."""
     engine.comm.barrier()
+    copies.clear()
     start = time.perf_counter()
-    engine.save_checkpoint(str(root / "async"), tag="t", async_save=True)
+    engine.save_checkpoint(str(root / "async"), tag=tag, async_save=True)
     stall_s = time.perf_counter() - start
     pending = engine.__dict__["_checkpoint_writer"].pending.result  # the background write's future
     returned = time.perf_counter()
@@ -100,7 +158,7 @@ def worker(rank: int, run: dict[str, Any]) -> dict[str, Any]:
     pending.add_done_callback(lambda _: ended.append(time.perf_counter()))
     during: list[float] = []
     # Steps until every rank's write ended (the ranks agree when to stop, outside the timed step).
-    while len(during) < run["during"] and not all(engine.comm.all_gather_object(pending.done())):
+    while len(during) < max_steps and not all(engine.comm.all_gather_object(pending.done())):
         during.append(step())
     pending.result()
     write_s = ended[0] - returned
@@ -108,17 +166,11 @@ def worker(rank: int, run: dict[str, Any]) -> dict[str, Any]:
     engine.wait_for_checkpoint()
     publish_s = time.perf_counter() - start
     return {
-        "step_s": statistics.median(steps),
-        "sync_save_s": sync_s,
-        "async_stall_s": stall_s,
-        "step_during_write_s": statistics.median(during) if during else float("nan"),
-        "steps_during_write": len(during),
+        "stall_s": stall_s,
+        "copy_s": sum(copies),
+        "during": during,
         "write_s": write_s,
         "publish_s": publish_s,
-        "shard_bytes": sum(
-            f.stat().st_size for f in (root / "async" / "t").iterdir() if f.name.startswith("shard")
-        ),
-        "rank": rank,
     }
 
 
@@ -127,8 +179,10 @@ def summarise(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         **slow,
         "stall_ratio": slow["async_stall_s"] / slow["sync_save_s"],
+        "first_stall_ratio": slow["first_async_stall_s"] / slow["sync_save_s"],
         "step_ratio": slow["step_during_write_s"] / slow["step_s"],
         "checkpoint_bytes": per_rank[0]["shard_bytes"],
+        "host_buffer_bytes": max(r["host_buffer_bytes"] for r in per_rank),
     }
 
 
@@ -136,7 +190,18 @@ def table(summary: dict[str, Any]) -> str:
     rows = [
         ("step (no save in flight)", summary["step_s"], ""),
         ("sync save: blocked", summary["sync_save_s"], "1.00 x sync save"),
-        ("async save: blocked", summary["async_stall_s"], f"{summary['stall_ratio']:.3f} x sync save"),
+        (
+            "async save: blocked (steady state)",
+            summary["async_stall_s"],
+            f"{summary['stall_ratio']:.3f} x sync save",
+        ),
+        ("  of which copy to host buffers", summary["async_copy_s"], ""),
+        (
+            "first async save: blocked",
+            summary["first_async_stall_s"],
+            f"{summary['first_stall_ratio']:.3f} x sync save",
+        ),
+        ("  of which copy to host buffers", summary["first_async_copy_s"], ""),
         (
             "step during the background write",
             summary["step_during_write_s"],
