@@ -49,7 +49,7 @@ def _free_port() -> int:
 def _env() -> dict[str, str]:
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)  # a launcher's variables from outside would confuse nothing but the reader
+        env.pop(name, None)  # torchrun sets these for its workers; none may come from an outer launcher
     env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)  # plain torchrun runs with its defaults
     return env
 
