@@ -1,6 +1,6 @@
 """Two simulated nodes joined by a rate-limited link: step time and the bytes that cross it per step.
 
-    sudo .venv/bin/python bench/multinode.py            # small GPT, every row (~5 min on 2 cores)
+    sudo .venv/bin/python bench/multinode.py            # small GPT, every row (5-9 min on 2 cores)
     sudo .venv/bin/python bench/multinode.py --large    # bench/peers.py's large GPT (much longer)
     sudo .venv/bin/python bench/multinode.py --quick    # tiny GPT, 2 steps: a smoke test
     sudo .venv/bin/python bench/multinode.py --rate 500mbit

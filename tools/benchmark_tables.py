@@ -318,6 +318,8 @@ def multinode(load: Load) -> str:
         f"{s['nodes']} namespaces × {s['ranks_per_node']} ranks; link `tbf rate {link['rate']}`, "
         f"{link['across_gbit_per_s']:.2f} Gbit/s measured across it "
         f"({link['inside_node_gbit_per_s']:.1f} inside a namespace, "
-        f"{link['inside_node_veth_tx_bytes']} bytes of that on the veth)."
+        f"{link['inside_node_veth_tx_bytes']} bytes of that on the veth); "
+        f"{doc['wall_s'] / 60:.1f} min, load average {doc['machine']['loadavg_before'][0]:.1f} before and "
+        f"{doc['machine']['loadavg_after'][0]:.1f} after."
     )
     return _join(machine_line(doc["machine"]) + " " + run, "\n".join(lines))

@@ -70,6 +70,7 @@ TABLES: dict[str, tuple[tuple[str, ...], Renderer]] = {
     "offload": (("offload.json",), tab.offload),
     "largest": (("largest.json",), tab.largest),
     "gpu": (("gpu.json",), tab.gpu),
+    "multinode": (("multinode.json",), tab.multinode),
 }
 
 BLOCK = re.compile(
