@@ -213,6 +213,7 @@ def worker(run: dict[str, Any]) -> dict[str, Any]:
 
     Collective: every rank of the world runs it.
     """
+    t_start = time.perf_counter()
     rank, row = dist.get_rank(), ROWS[run["row"]]
     model = build_gpt(run["model"])
     n_params = sum(p.numel() for p in model.parameters())
@@ -236,7 +237,9 @@ def worker(run: dict[str, Any]) -> dict[str, Any]:
             opt.zero_grad()
         return float(loss.item())
 
+    init_s = time.perf_counter() - t_start
     losses = [step(i) for i in range(run["warmup"])]
+    warmup_s = time.perf_counter() - t_start - init_s
     ifname = os.environ["GLOO_SOCKET_IFNAME"]
     dist.barrier()
     before = link_counters(ifname)
@@ -260,6 +263,8 @@ def worker(run: dict[str, Any]) -> dict[str, Any]:
         **{k: _delta(v, later[k]) for k, v in counted.items()},
         "key_in_effect": effect,
         "peak_rss_bytes": peak_rss(),
+        "init_s": init_s,
+        "warmup_s": warmup_s,
     }
 
 
@@ -475,6 +480,8 @@ def summarise(name: str, per_rank: list[dict[str, Any]], steps: int, psi: int) -
         "zeroshard_counted_bytes_per_step": _per_step(per_rank[:1], "zeroshard_counted_bytes", steps),
         "zeroshard_cross_node_bytes_per_step": _per_step(per_rank, "zeroshard_cross_node_bytes", steps),
         "peak_rss_bytes": max(r["peak_rss_bytes"] for r in per_rank),
+        "init_s": max(r["init_s"] for r in per_rank),
+        "warmup_s": max(r["warmup_s"] for r in per_rank),
         "losses": [r["losses"] for r in per_rank],
     }
 
@@ -545,7 +552,8 @@ def measure(net: Network, size_name: str, rows: list[str]) -> dict[str, Any]:
         r = results[name]
         print(
             f"{name:>24}: {r['median_step_s']:.2f} s/step, "
-            f"{r['cross_node_bytes_per_step'] / 1e6:.1f} MB/step across, {time.time() - t0:.0f} s wall",
+            f"{r['cross_node_bytes_per_step'] / 1e6:.1f} MB/step across, {time.time() - t0:.0f} s wall "
+            f"(in the ranks: {r['init_s']:.0f} s to build, {r['warmup_s']:.0f} s warm-up)",
             flush=True,
         )
     compare(results)
