@@ -180,18 +180,31 @@ def test_estimate_with_shard_groups() -> None:
 #   ZeRO-3:        gather 2Pc (forward, backward), world Pr (reduce-scatter)
 #   MiCS stage 3:  gather 2Pc, shard Pr, replica 2Pr/S (all-reduce of the gradient shard)
 #   MiCS stage 1-2: shard Pr + Pc (reduce-scatter, all-gather after the step), replica 2Pr/S
+#   ZeRO-3 + hpZ:  gather Pc (forward), hpz Pc (backward, from the secondary shards), world Pr
 # Sent to the other node (core/traffic.py): ZeRO-3's direct exchanges send 2 of every 3 messages there,
-# half the volume, (2Pc + Pr)/2; MiCS with the shard group on one node only the replica ring, Pr/S.
-BYTE_CASES = [(3, -1, False), (3, 2, False), (3, -1, True), (3, 2, True), (1, 2, False), (2, 2, True)]
+# half the volume, (2Pc + Pr)/2; MiCS with the shard group on one node only the replica ring, Pr/S; hpZ with
+# its groups on one node the forward's gather and the reduce-scatter, (Pc + Pr)/2.
+# (stage, mics_shard_size, bf16, zero_hpz_partition_size)
+BYTE_CASES = [
+    (3, -1, False, 1),
+    (3, 2, False, 1),
+    (3, -1, True, 1),
+    (3, 2, True, 1),
+    (1, 2, False, 1),
+    (2, 2, True, 1),
+    (3, -1, False, 2),
+    (3, -1, True, 2),
+]
 
 
 def bytes_worker(rank: int, world_size: int) -> list[tuple[dict[str, int], int, int, int, int]]:
     os.environ.update(GROUP_RANK=str(rank // 2), LOCAL_WORLD_SIZE="2")
     out = []
-    for stage, shard_size, bf16 in BYTE_CASES:
+    for stage, shard_size, bf16, hpz in BYTE_CASES:
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(7, 15), torch.nn.ReLU(), torch.nn.Linear(15, 3))
         zero = {"stage": stage, "mics_shard_size": shard_size, "stage3_param_persistence_threshold": 0}
+        zero["zero_hpz_partition_size"] = hpz
         zero.update(stage3_max_reuse_distance=0, stage3_prefetch_bucket_size=0)  # gather, release, regather
         config = {
             "train_micro_batch_size_per_gpu": 4,
@@ -221,11 +234,14 @@ def bytes_worker(rank: int, world_size: int) -> list[tuple[dict[str, int], int, 
 def test_bytes_by_group_and_across_nodes() -> None:
     results = run_distributed(bytes_worker, 4)
     for rank_results in results:
-        for (stage, shard_size, bf16), (by_group, cross, p, c, r) in zip(
+        for (stage, shard_size, bf16, hpz), (by_group, cross, p, c, r) in zip(
             BYTE_CASES, rank_results, strict=True
         ):
             assert (c, r) == ((2, 2) if bf16 else (4, 4))
-            if shard_size == -1:
+            if hpz > 1:
+                want = {"gather": p * c, "hpz": p * c, "world": p * r}
+                want_cross = (p * c + p * r) // 2
+            elif shard_size == -1:
                 want = {"gather": 2 * p * c, "world": p * r}
                 want_cross = (2 * p * c + p * r) // 2
             else:
@@ -234,4 +250,4 @@ def test_bytes_by_group_and_across_nodes() -> None:
                 if stage < 3:
                     del want["gather"]
                 want_cross = p * r // shard_size
-            assert (by_group, cross) == (want, want_cross), (stage, shard_size, bf16)
+            assert (by_group, cross) == (want, want_cross), (stage, shard_size, bf16, hpz)

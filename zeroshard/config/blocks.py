@@ -308,7 +308,8 @@ class ZeroConfig(Block):
     round_robin_gradients: Bool = False
     """Stage 1/2 with CPU offload: split gradient copies among ranks."""
     zero_hpz_partition_size: Annotated[Int, Field(ge=0)] = 1
-    """ZeRO++ hierarchical partitioning group size (1 = off)."""
+    """ZeRO++ hierarchical partitioning (hpZ, stage 3): the backward gathers parameters from secondary
+    shards over groups of this many consecutive ranks; must divide the world size (0, 1, >= world: off)."""
     zero_quantized_weights: Bool = False
     """ZeRO++ quantized weight all-gather."""
     zero_quantized_nontrainable_weights: Bool = False

@@ -46,7 +46,7 @@ are checked and the lists against each other, and `initialize()` checks the leng
 - sparse_attention, zenflow, datastates_ckpt, weight_quantization: when present (DeepSpeed turns them on
   by presence; weight_quantization unless `enabled: false`);
 - compression_training: when any technique's `shared_parameters.enabled` (or layer_reduction.enabled) is true;
-- ZeRO++ (zero_quantized_*, zero_hpz_partition_size > 1, zeropp_loco_param), SuperOffload
+- ZeRO++ (zero_quantized_*, zeropp_loco_param), SuperOffload
   (offload_optimizer.super_offload), sequence parallelism
   (sequence_parallel_size > 1, data_parallel_size, seq_parallel_communication_data_type not fp32), and
   DeepSpeed-internal ZeRO and engine switches: when set to a non-default value.
@@ -184,6 +184,20 @@ def _hybrid(cfg: ZeroshardConfig, problems: Problems, notes: list[str]) -> None:
             )
 
 
+def _hpz(cfg: ZeroshardConfig, problems: Problems, notes: list[str]) -> None:
+    """``zero_hpz_partition_size`` (core/hybrid.py [Note: hpZ groups]); divisibility: at ``initialize``."""
+    zero, size = cfg.zero_optimization, cfg.zero_optimization.zero_hpz_partition_size
+    key = f"zero_optimization.zero_hpz_partition_size: {size}"
+    if size > 1 and zero.stage < 3:
+        notes.append(f"{key} has no effect at stage {zero.stage}: only stage 3 gathers parameters")
+    elif size > 1:
+        others = [f"mics_shard_size: {zero.mics_shard_size}"] if zero.mics_shard_size > 0 else []
+        devices = {name: getattr(zero, name).device for name in ("offload_optimizer", "offload_param")}
+        others += [f"{name}.device {device!r}" for name, device in devices.items() if device != "none"]
+        for other in others:
+            problems.add(f"{key} with zero_optimization.{other} is not supported: use one or the other")
+
+
 def _without_effect(cfg: ZeroshardConfig, notes: list[str]) -> None:
     """Warnings for settings zeroshard does not implement (see [Note: settings without effect])."""
     for key, value, instead in NO_EFFECT:
@@ -306,6 +320,7 @@ def check_config(
     _precision(cfg, problems)
     _offload(cfg, problems, notes)
     _hybrid(cfg, problems, notes)
+    _hpz(cfg, problems, notes)
     _allreduce_op(cfg, problems)
     _data_types(cfg, problems, notes)
     _without_effect(cfg, notes)

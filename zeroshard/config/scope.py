@@ -38,7 +38,6 @@ _ZERO_PLUS_PLUS = (
     "zero_quantized_weights",
     "zero_quantized_nontrainable_weights",
     "zero_quantized_gradients",
-    "zero_hpz_partition_size",
     "zeropp_loco_param",
 )
 _ZERO_INTERNALS = (

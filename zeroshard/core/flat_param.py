@@ -107,6 +107,7 @@ class FlatUnit:
         # Where the shards live between uses: shard_store.py [Note: shard stores].
         self.store: ShardStore[FlatUnit] = InMemoryShards()
         self._gathering: Pending | None = None
+        self.secondary: torch.Tensor | None = None  # hpZ: stage3/secondary.py [Note: hpZ secondary shards]
         self.pool: BufferPool | None = None  # the initial full buffer is not the pool's
         if plan.shard_parameters:
             self.release()
@@ -160,15 +161,21 @@ class FlatUnit:
     def gathered(self) -> bool:
         return self.full.numel() > 0 or self.layout.padded == 0
 
-    def start_gather(self, comm: Comm) -> None:
-        """Launch the all-gather of the full parameters (no-op if gathered or on the way).
+    def start_gather(self, comm: Comm, *, from_secondary: bool = False) -> None:
+        """Launch the all-gather of the full parameters (no-op if gathered or on the way): of the primary
+        shards over ``comm``, or with ``from_secondary`` of the secondary shards over ``comm``, the hpZ group
+        ([Note: hpZ secondary shards]).
 
-        Collective: call on all ranks, in the same unit order.
+        Collective: call on all ranks of ``comm``, in the same unit order.
         """
         if self.gathered or self._gathering is not None:
             return
+        source = self.secondary if from_secondary else self.param_shard
+        if source is None:
+            raise RuntimeError(
+                f"rank {self.rank}: unit {self.index} ({self.names[0]}) has no secondary shard"
+            )
         self.full = self._new_full()
-        source = self.param_shard
         # From pinned CPU memory (ZeRO-Offload masters) the cast runs on the GPU after an async DMA; the
         # optimizer step waits for the stream before it writes the masters again (ShardedStep._step_grads).
         shard = source.to(device=self.device, dtype=self.policy.compute, non_blocking=self.host_to_device)
@@ -185,6 +192,17 @@ class FlatUnit:
         self.store.gathered(self)
         for param, offset, shape in zip(self.params, self.layout.offsets, self.shapes, strict=True):
             param.data = self.full[offset : offset + shape.numel()].view(shape)
+
+    def keep_secondary(self, part: int, parts: int) -> None:
+        """Keep slice ``part`` of ``parts`` of the gathered full buffer as this rank's secondary shard (no-op
+        where one is kept): stage3/secondary.py [Note: hpZ secondary shards]."""
+        if self.secondary is None and self.full.numel():
+            size = self.layout.padded // parts
+            self.secondary = self.full[part * size : (part + 1) * size].clone()
+
+    def drop_secondary(self) -> None:
+        """Forget the secondary shard: the master shards changed, so it is stale."""
+        self.secondary = None
 
     def release(self, keep_buffer: bool = True) -> None:
         """Free the full parameters; the parameters become empty placeholders until the next gather.
@@ -249,11 +267,15 @@ class FlatUnit:
         """Write stepped master values into the parameters, through the store: ``values`` for shard elements
         ``start:start + numel`` (stepped outside the unit, e.g. by the NVMe swapper), or by default the whole
         in-memory ``master`` after the optimizer stepped it. Nothing to do where the parameters' shard is the
-        master itself (stage 3 in memory, fp32 at stages 0-2 without a separate master)."""
+        master itself (stage 3 in memory, fp32 at stages 0-2 without a separate master). The secondary shard
+        is stale from now on."""
+        self.drop_secondary()
         self.store.master_to_full(self, values, start)
 
     def full_to_master(self) -> None:
-        """Take this rank's slice of ``full`` (modified in place, e.g. by load_state_dict) into the master."""
+        """Take this rank's slice of ``full`` (modified in place, e.g. by load_state_dict) into the master;
+        the secondary shard is stale from now on."""
+        self.drop_secondary()
         shard = self.own_full_shard()
         if shard.numel():
             self.store.full_to_master(self, shard)
@@ -322,6 +344,8 @@ class FlatUnit:
         if self.keeps_full_grad:
             grad_bytes = self.kept_grad().numel() * self.kept_grad().element_size()
         master = 0 if not self.separate_master else (self.master.numel() * self.master.element_size())
+        if self.secondary is not None:
+            params += self.secondary.numel() * self.secondary.element_size()
         held = self.store.held_param_shard()
         if held is not None:
             params += held.numel() * held.element_size()

@@ -16,6 +16,13 @@ over the shard group only (the replicas hold the same shards: it is the global n
 got a gradient over both groups (a parameter may get one on some ranks only). Stage 0 shards nothing, so
 the key has no effect there. S = W, -1 or 0 is plain ZeRO: one group, no replica group, no extra
 collective. Memory per rank is ZeRO's with S in place of W (memory.py [Note: ZeRO memory formulas]).
+
+[Note: hpZ groups]
+With ``zero_optimization.zero_hpz_partition_size`` H at stage 3 (ZeRO++'s hierarchical partitioning, 1 < H <
+W, H divides W) the state stays sharded over all W ranks, and one more group per H consecutive ranks
+(``[g*H, (g+1)*H)``, the shard groups' layout: a node when H is the ranks per node) carries the backward's
+parameter gathers from node-local secondary shards (``stage3/secondary.py`` [Note: hpZ secondary shards]).
+H = 0, 1 or >= W is plain ZeRO-3. DeepSpeed does not combine hpZ with MiCS, nor does zeroshard.
 """
 
 from __future__ import annotations
@@ -31,7 +38,14 @@ from zeroshard.core.comm import Comm
 from zeroshard.core.flat_param import FlatUnit
 from zeroshard.core.layout import split_into_units
 
-__all__ = ["ShardGroups", "all_reduce_grad_shards", "check_shard_size", "shard_groups"]
+__all__ = [
+    "ShardGroups",
+    "all_reduce_grad_shards",
+    "check_hpz_size",
+    "check_shard_size",
+    "hpz_group",
+    "shard_groups",
+]
 
 
 @dataclass(frozen=True)
@@ -43,12 +57,14 @@ class ShardGroups:
         shard: the ranks one shard of the state is spread over (``world`` itself in plain ZeRO).
         replica: the ranks holding the same shard (None in plain ZeRO).
         gather: stage 3's parameter gathers, over the shard group's ranks (None below stage 3).
+        hpz: stage 3's backward gathers from secondary shards ([Note: hpZ groups]; None when off).
     """
 
     world: Comm
     shard: Comm
     replica: Comm | None = None
     gather: Comm | None = None
+    hpz: Comm | None = None
 
     @property
     def hybrid(self) -> bool:
@@ -94,6 +110,37 @@ def shard_groups(world: Comm, shard_size: int, *, gather_channel: bool) -> Shard
     gather = _subgroups(world, shards, mine, "gather") if gather_channel else None
     replica = _subgroups(world, replicas, world.rank % shard_size, "replica")
     return ShardGroups(world, shard, replica, gather)
+
+
+def hpz_on(hpz_size: int, world_size: int) -> bool:
+    """Whether ``zero_hpz_partition_size`` ``hpz_size`` makes groups smaller than the world."""
+    return 1 < hpz_size < world_size
+
+
+def check_hpz_size(hpz_size: int, world_size: int) -> None:
+    """Refuse a ``zero_hpz_partition_size`` that does not split ``world_size`` ranks into equal groups."""
+    if hpz_on(hpz_size, world_size) and world_size % hpz_size:
+        raise ValueError(
+            f"zero_optimization.zero_hpz_partition_size: {hpz_size} is not allowed with {world_size} ranks; "
+            f"expected a divisor of the world size {world_size} (or 1: off)"
+        )
+
+
+def hpz_group(world: Comm, hpz_size: int) -> Comm | None:
+    """This rank's hpZ group ([Note: hpZ groups]), or None where ``hpz_size`` is off.
+
+    Collective: call on all ranks of the default group, which must be ``world``'s group when on."""
+    check_hpz_size(hpz_size, world.world_size)
+    size = world.world_size
+    if not hpz_on(hpz_size, size):
+        return None
+    if dist.get_world_size() != size:
+        raise ValueError(
+            f"zero_optimization.zero_hpz_partition_size: {hpz_size} needs the data-parallel group to be "
+            f"every process ({dist.get_world_size()}); initialize(group=...) passed a group of {size}"
+        )
+    groups = [list(range(g * hpz_size, (g + 1) * hpz_size)) for g in range(size // hpz_size)]
+    return _subgroups(world, groups, world.rank // hpz_size, "hpz")
 
 
 def _subgroups(world: Comm, members: list[list[int]], mine: int, label: str) -> Comm:

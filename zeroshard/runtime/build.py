@@ -25,7 +25,7 @@ from zeroshard.core.buffers import BufferPool
 from zeroshard.core.comm import Comm
 from zeroshard.core.flat_param import FlatUnit, OptimizerSlice
 from zeroshard.core.grad_sync import GradientReducer
-from zeroshard.core.hybrid import ShardGroups, shard_groups
+from zeroshard.core.hybrid import ShardGroups, hpz_group, shard_groups
 from zeroshard.core.inflight import InFlight
 from zeroshard.core.optimizer import (
     ShardedStep,
@@ -100,6 +100,9 @@ def initialize(
         # Stage 0 shards nothing: hybrid sharding has no effect there ([Note: hybrid sharding]).
         shard_size = cfg.zero_optimization.mics_shard_size if plan.shard_optimizer else -1
         sharding = shard_groups(comm, shard_size, gather_channel=plan.shard_parameters)
+        if plan.shard_parameters:  # stage 3 only: [Note: hpZ groups]
+            hpz = hpz_group(comm, cfg.zero_optimization.zero_hpz_partition_size)
+            sharding = dataclasses.replace(sharding, hpz=hpz)
         parts = _build_units(model, cfg, plan, sharding)
         sharded_groups, slices = shard_param_groups(groups, parts.units)
         opt = _build_optimizer(optimizer, cfg, sharded_groups, plan)
@@ -218,6 +221,7 @@ def _build_sync(
             max_reuse_distance=zero.max_reuse_distance,
             pool=parts.pool,
             reductions=inflight,
+            hpz=sharding.hpz,  # the backward's gathers from secondary shards: stage3/secondary.py
         )
     reducer = GradientReducer(
         parts.units,

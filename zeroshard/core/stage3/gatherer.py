@@ -20,9 +20,9 @@ uses them for the module's backward right after. The post-hook must not release 
 buffers would go back to the pool and the next gather would overwrite what backward is about to read. So
 from the first backward hook of a step (or :meth:`begin_backward`) to :meth:`end_backward` (the backward
 phases of [Note: gatherer phases]), a forward only gathers, and the units are released as in any backward,
-once their gradients are reduced. Nor does it count
-as a user of its units: non-reentrant checkpointing stops a recomputation as soon as it has rebuilt what
-backward saved, so the post-hook of the last module it enters never runs.
+once their gradients are reduced. Nor does it count as a user of its units: non-reentrant checkpointing
+stops a recomputation as soon as it has rebuilt what backward saved, so the post-hook of the last module it
+enters never runs.
 
 The order in which units are needed is recorded every step; the next step prefetches from it, and a unit
 that the prefetch would gather again at once (the last modules of the forward, first in the backward) is
@@ -44,11 +44,10 @@ With DeepSpeed's default ``stage3_max_reuse_distance`` the forward keeps most un
 keeps most of its buffers.
 
 Units that backward has finished reading are released before their gradients arrive (``spent_units.py``,
-[Note: spent units]).
-
-Ranks that run different modules raise an error naming each rank's units instead of pairing different
-collectives (``gather_check.py``, [Note: gather check]). Full buffers come from the engine's
-:class:`~zeroshard.core.buffers.BufferPool` and go back to it on release.
+[Note: spent units]). Ranks that run different modules raise an error naming each rank's units instead of
+pairing different collectives (``gather_check.py``, [Note: gather check]). Full buffers come from the
+engine's :class:`~zeroshard.core.buffers.BufferPool` and go back to it on release. With hpZ the backward
+gathers from secondary shards (``secondary.py``, [Note: hpZ secondary shards]).
 """
 
 from __future__ import annotations
@@ -74,6 +73,7 @@ from zeroshard.core.stage3.hook_tools import eager, hook_outputs
 from zeroshard.core.stage3.phase import Event, Phase, next_phase
 from zeroshard.core.stage3.prefetch import PrefetchSchedule
 from zeroshard.core.stage3.saved_views import SavedViews
+from zeroshard.core.stage3.secondary import GatherSource
 from zeroshard.core.stage3.spent_units import SpentUnits
 
 
@@ -94,7 +94,8 @@ class ParameterGatherer:
     gradients are reduced; ``reductions`` are the reducer's reductions in flight ([Note: reducer and
     gatherer]).
 
-    Collective: the hooks gather with all-gathers, so every rank must run the same modules in the same order.
+    Collective: the hooks gather with all-gathers (in a backward over ``hpz`` where hpZ is on: [Note: hpZ
+    secondary shards]), so every rank must run the same modules in the same order.
     """
 
     def __init__(
@@ -107,8 +108,10 @@ class ParameterGatherer:
         max_reuse_distance: int,
         pool: BufferPool,
         reductions: InFlight,
+        hpz: Comm | None = None,
     ) -> None:
         self.comm = comm
+        self._source = GatherSource(comm, hpz)  # [Note: hpZ secondary shards]
         self.pool = pool  # the units' own pool: holds are exempt from its high-water mark
         self._reductions = reductions
         self.schedule = PrefetchSchedule(  # see [Note: prefetch schedule]
@@ -116,12 +119,9 @@ class ParameterGatherer:
             max_live_elements=max_live_elements,
             max_reuse_distance=max_reuse_distance,
         )
-        self._units_of: dict[int, list[FlatUnit]] = {}
-        self._modules: dict[int, nn.Module] = {}
+        self._units_of: dict[int, list[FlatUnit]] = {id(m): list(us) for m, us in module_units}
+        self._modules: dict[int, nn.Module] = {id(m): m for m, _ in module_units}
         self._units_cache: list[FlatUnit] | None = None
-        for module, units in module_units:
-            self._units_of[id(module)] = list(units)
-            self._modules[id(module)] = module
         self._users: Counter[int] = Counter()  # running forwards that use each unit
         self._handles: list[RemovableHandle] = []
         self._phase = Phase.FORWARD  # changed by _move only: [Note: gatherer phases]
@@ -265,6 +265,7 @@ class ParameterGatherer:
         for unit in units:
             unit.finish_gather()
             self.saved_views.note(unit)
+        self._source.keep(units, self._phase)
         live = sum(u.full.numel() * u.full.element_size() for u in self._all_units() if u.gathered)
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, live)
         if not self._phase.in_backward:
@@ -314,7 +315,7 @@ class ParameterGatherer:
             )
         self._checks.launch([u.index for u in units])
         for unit in units:
-            unit.start_gather(self.comm)
+            self._source.start(unit, self._phase)
 
     def _describe(self, index: int) -> str:
         for unit in self._all_units():
