@@ -25,6 +25,7 @@ from tests.models import batch, make_model
 from tests.test_parity import RTOL, _cases, run_case
 from zeroshard.config import ConfigError, ConfigWarning, load_config
 from zeroshard.core.hybrid import check_hpz_size
+from zeroshard.estimate import estimate_memory
 from zeroshard.zero import GatheredParameters
 
 pytestmark = pytest.mark.timeout(900)
@@ -222,3 +223,16 @@ def test_hpz_config() -> None:
             check_hpz_size(size, world)
     for size, world in ((0, 4), (1, 4), (2, 4), (4, 4), (8, 4), (3, 1)):
         check_hpz_size(size, world)
+
+
+def test_estimate_with_hpz() -> None:
+    # Two nodes of 8: stage 3 keeps a secondary shard of 1/8 of the bf16 parameters beside ZeRO-3's state.
+    hpz = estimate_memory(7e9, gpus_per_node=8, nodes=2, hpz_partition_size=8)
+    plain = estimate_memory(7e9, gpus_per_node=8, nodes=2, offload="none")
+    assert [r.offload for r in hpz.rows] == ["none"] * 4
+    for got, want in zip(hpz.rows, plain.rows, strict=True):
+        assert got.per_gpu == want.per_gpu + (2 * 7_000_000_000 // 8 if got.stage == 3 else 0)
+    with pytest.raises(ValueError, match=r"hpz_partition_size: 8 with mics_shard_size: 8"):
+        estimate_memory(7e9, gpus_per_node=8, nodes=2, hpz_partition_size=8, mics_shard_size=8)
+    with pytest.raises(ValueError, match=r"zero_hpz_partition_size: 3 .*16 ranks"):
+        estimate_memory(7e9, gpus_per_node=8, nodes=2, hpz_partition_size=3)

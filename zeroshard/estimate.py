@@ -32,11 +32,13 @@ NVMe offload they move from the CPU column to the NVMe column. For mixed-precisi
 GPU totals are the paper's 16N, 4N + 12N/W, 2N + 14N/W and 16N/W; for 7B parameters on 8 GPUs, 112 GB,
 38.5 GB, 26.25 GB and 14 GB. With hybrid sharding (``mics_shard_size`` S, core/hybrid.py) the state is
 sharded over S ranks: the same formulas with S in place of W, and no offload rows (hybrid sharding keeps
-the state in device memory).
+the state in device memory). With ZeRO++'s hpZ (``zero_hpz_partition_size`` H, stage 3) each GPU also keeps
+its secondary shards, c·N/H bytes counted with the parameters, and there are no offload rows either.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Mapping
@@ -44,7 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from zeroshard.core.hybrid import check_shard_size
+from zeroshard.core.hybrid import check_hpz_size, check_shard_size, hpz_on
 from zeroshard.core.memory import ADAM_STATE_BYTES, Predicted, predict
 
 __all__ = [
@@ -188,6 +190,7 @@ def estimate_memory(
     stages: tuple[int, ...] = (0, 1, 2, 3),
     state_bytes: int = ADAM_STATE_BYTES,
     mics_shard_size: int = -1,
+    hpz_partition_size: int = 1,
 ) -> MemoryEstimate:
     """Estimates model-state memory for every ZeRO stage and offload option.
 
@@ -205,6 +208,8 @@ def estimate_memory(
         stages: The ZeRO stages to estimate.
         state_bytes: Optimizer-state bytes per parameter besides the master copy (Adam: 8).
         mics_shard_size: Hybrid sharding's group size S (-1: off): state over S ranks, no offload rows.
+        hpz_partition_size: ZeRO++ hpZ's group size H (1: off): stage 3 keeps c·N/H more per GPU, no
+            offload rows.
 
     Returns:
         One row per supported (stage, offload) pair, stages in order, options in `OFFLOAD_OPTIONS` order.
@@ -219,6 +224,30 @@ def estimate_memory(
     layer = None if largest_layer is None else _positive_int("largest_layer", largest_layer)
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype: {dtype!r} is not allowed; expected one of {', '.join(DTYPE_BYTES)}")
+    names = _checked_names(offload, stages)
+    c = DTYPE_BYTES[dtype]
+    w = _sharded_over(mics_shard_size, per_node * node_count)
+    hpz = _hpz_size(hpz_partition_size, mics_shard_size, per_node * node_count)
+    rows = []
+    for stage in sorted(set(stages)):
+        for name in OFFLOAD_OPTIONS:
+            option = OFFLOAD_OPTIONS[name]
+            if (
+                name not in names
+                or stage not in option.stages
+                or (name != "none" and (w < per_node * node_count or hpz))
+            ):
+                continue
+            gpu, cpu, nvme = _offload_row(stage, option, n, w, per_node, c, state_bytes)
+            if stage == 3 and hpz:  # the secondary shards: stage3/secondary.py [Note: hpZ secondary shards]
+                gpu = dataclasses.replace(gpu, parameters=gpu.parameters + c * n // hpz)
+            working = 2 * c * layer if stage == 3 and layer is not None else 0
+            rows.append(EstimateRow(stage, name, gpu, working, cpu, nvme))
+    return MemoryEstimate(n, layer, per_node, node_count, dtype, tuple(rows))
+
+
+def _checked_names(offload: str | list[str] | tuple[str, ...] | None, stages: tuple[int, ...]) -> list[str]:
+    """The offload options to estimate; refuse unknown names and stages."""
     names = (
         list(OFFLOAD_OPTIONS) if offload is None else [offload] if isinstance(offload, str) else list(offload)
     )
@@ -230,28 +259,26 @@ def estimate_memory(
     bad_stages = [s for s in stages if s not in (0, 1, 2, 3)]
     if bad_stages:
         raise ValueError(f"stages: {bad_stages[0]!r} is not a ZeRO stage; expected 0, 1, 2 or 3")
-    c = DTYPE_BYTES[dtype]
-    w = _sharded_over(mics_shard_size, per_node * node_count)
-    rows = []
-    for stage in sorted(set(stages)):
-        for name in OFFLOAD_OPTIONS:
-            option = OFFLOAD_OPTIONS[name]
-            if (
-                name not in names
-                or stage not in option.stages
-                or (name != "none" and w < per_node * node_count)
-            ):
-                continue
-            gpu, cpu, nvme = _offload_row(stage, option, n, w, per_node, c, state_bytes)
-            working = 2 * c * layer if stage == 3 and layer is not None else 0
-            rows.append(EstimateRow(stage, name, gpu, working, cpu, nvme))
-    return MemoryEstimate(n, layer, per_node, node_count, dtype, tuple(rows))
+    return names
 
 
 def _sharded_over(mics_shard_size: int, world_size: int) -> int:
     """How many ranks the state is sharded over: the world, or hybrid sharding's group size."""
     check_shard_size(mics_shard_size, world_size)
     return world_size if mics_shard_size in (-1, 0) else mics_shard_size
+
+
+def _hpz_size(hpz_partition_size: int, mics_shard_size: int, world_size: int) -> int:
+    """hpZ's group size, or 0 where it is off (core/hybrid.py [Note: hpZ groups])."""
+    check_hpz_size(hpz_partition_size, world_size)
+    if not hpz_on(hpz_partition_size, world_size):
+        return 0
+    if mics_shard_size > 0:
+        raise ValueError(
+            f"hpz_partition_size: {hpz_partition_size} with mics_shard_size: {mics_shard_size} is not "
+            "supported: use one or the other"
+        )
+    return hpz_partition_size
 
 
 # -- parameter counts from a Hugging Face config ------------------------------------------------------------

@@ -44,6 +44,7 @@ __all__ = [
     "check_hpz_size",
     "check_shard_size",
     "hpz_group",
+    "hpz_on",
     "shard_groups",
 ]
 

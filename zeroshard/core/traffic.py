@@ -16,7 +16,8 @@ each rank of the group is on (``Comm.nodes``, taken once at ``initialize`` from 
   NCCL this is the ring's figure, an estimate, not a measurement.
 
 So on two nodes of two ranks each (ranks 0, 1 | 2, 3), ring or direct, an all-gather of ``F`` bytes over
-all four ranks sends ``F/2`` across from every rank, and over one node nothing.
+all four ranks sends ``F/2`` across from every rank, and over one node nothing: hpZ's backward gathers
+(``"hpz"`` group, hybrid.py [Note: hpZ groups]) with groups of two cross no node there.
 """
 
 from __future__ import annotations

@@ -433,7 +433,8 @@ class ZeroshardEngine(DeepSpeedQueries, CheckpointMethods):
     def communication_bytes_by_group(self) -> dict[str, int]:
         """:meth:`communication_bytes` by the group each collective ran on: ``"world"`` (every rank, plain
         ZeRO), ``"shard"`` and ``"replica"`` (hybrid sharding: hybrid.py [Note: hybrid sharding]),
-        ``"gather"`` (stage 3's parameter gathers)."""
+        ``"gather"`` (stage 3's parameter gathers), ``"hpz"`` (with hpZ, stage 3's backward gathers from
+        secondary shards: hybrid.py [Note: hpZ groups])."""
         return {group: n for group, n in self.comm.stats.bytes_by_group.items() if n}
 
     def cross_node_bytes(self) -> int:
