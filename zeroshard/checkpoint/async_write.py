@@ -99,6 +99,16 @@ def remove_markers(tmp: str) -> None:
             os.remove(os.path.join(tmp, name))
 
 
+def _yield_to_training() -> None:
+    """Run this thread at the lowest CPU priority (Linux schedules threads one by one): training threads
+    that want a core get it first, and the write takes the cycles they leave. Elsewhere, or when the
+    priority cannot be changed, the thread keeps the process's."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):
+        pass
+
+
 class CheckpointWriter:
     """One engine's background writer: at most one pending save, written by one daemon thread.
 
@@ -135,6 +145,7 @@ class CheckpointWriter:
         return save
 
     def _run(self) -> None:
+        _yield_to_training()
         while (job := self._jobs.get()) is not None:
             save, write = job
             del job  # the write closure holds views of the host buffers: dropped once written, below
