@@ -3,7 +3,8 @@ effect, and the one validation of the optimizer and scheduler params.
 
 Errors mirror what DeepSpeed rejects (fp16 with bf16, partial offload below stage 3, ...); warnings
 point at settings DeepSpeed silently ignores, and at DeepSpeed settings zeroshard does not implement
-(see [Note: settings without effect]).
+(see [Note: settings without effect]); the warnings for out-of-scope features are
+`scope_warnings.py`.
 
 [Note: settings without effect]
 Some DeepSpeed keys ask for a behaviour zeroshard does not have. Each warns, naming the key, its value
@@ -36,21 +37,6 @@ instead): a broken block is a broken config. What the config alone cannot decide
 `initialize()`: a per-param-group list (`warmup_max_lr: [a, b]`) must have one value per group of the
 model's optimizer; the stand-in has as many groups as the first such list has values, so here the values
 are checked and the lists against each other, and `initialize()` checks the length against the model.
-
-[Note: out-of-scope features] A feature counts as turned on (rules also in docs/config.md):
-- blocks with an `enabled` switch (flops_profiler, torch_autocast, amp, progressive_layer_drop,
-  eigenvalue, curriculum_learning, data_efficiency, quantize_training, expert_parallel, autotuning,
-  hybrid_engine, nebula): when `enabled` is true;
-- blocks without one (activation_checkpointing, compile, tensor_parallel, pipeline): when any value
-  differs from DeepSpeed's default;
-- sparse_attention, zenflow, datastates_ckpt, weight_quantization: when present (DeepSpeed turns them on
-  by presence; weight_quantization unless `enabled: false`);
-- compression_training: when any technique's `shared_parameters.enabled` (or layer_reduction.enabled) is true;
-- ZeRO++ (zero_quantized_*, zeropp_loco_param), SuperOffload
-  (offload_optimizer.super_offload), sequence parallelism
-  (sequence_parallel_size > 1, data_parallel_size, seq_parallel_communication_data_type not fp32), and
-  DeepSpeed-internal ZeRO and engine switches: when set to a non-default value.
-The config still loads; the warning names the settings that have no effect.
 """
 
 from __future__ import annotations
@@ -63,15 +49,14 @@ from typing import Any
 
 import torch
 
-from zeroshard.config.blocks import Block
 from zeroshard.config.errors import Problems, show
-from zeroshard.config.features import FEATURE_BLOCKS
 from zeroshard.config.schema import ZeroshardConfig
-from zeroshard.config.scope import NO_EFFECT, OUT_OF_SCOPE, Feature
+from zeroshard.config.scope import NO_EFFECT
+from zeroshard.config.scope_warnings import value_at
 from zeroshard.lr_schedules import build_scheduler
 from zeroshard.optim_factory import build_optimizer
 
-__all__ = ["check_config", "out_of_scope_warnings"]
+__all__ = ["check_config"]
 
 
 def _precision(cfg: ZeroshardConfig, problems: Problems) -> None:
@@ -201,7 +186,7 @@ def _hpz(cfg: ZeroshardConfig, problems: Problems, notes: list[str]) -> None:
 def _without_effect(cfg: ZeroshardConfig, notes: list[str]) -> None:
     """Warnings for settings zeroshard does not implement (see [Note: settings without effect])."""
     for key, value, instead in NO_EFFECT:
-        if _at(cfg, key) == value:
+        if value_at(cfg, key) == value:
             notes.append(f"{key}: {show(value)} has no effect: {instead}")
 
 
@@ -325,116 +310,3 @@ def check_config(
     _data_types(cfg, problems, notes)
     _without_effect(cfg, notes)
     _optimizer_and_scheduler(cfg, problems)
-
-
-_COMPRESSION_TECHNIQUES = (
-    "weight_quantization",
-    "activation_quantization",
-    "sparse_pruning",
-    "row_pruning",
-    "head_pruning",
-    "channel_pruning",
-)
-_MISSING = object()
-
-
-def _default_of(block: Block, name: str) -> Any:
-    return type(block).model_fields[name].get_default(call_default_factory=True)
-
-
-def _changed(
-    block: Any, prefix: str, names: tuple[str, ...], defaults: Mapping[str, Any] | None
-) -> Iterator[str]:
-    """Yields "prefix.key=value" for each setting of `block` (or of `names`) that differs from its default.
-
-    `block` is a typed `Block` or a feature block (a dict, compared with `defaults`; a key without a
-    default counts as changed)."""
-    head = f"{prefix}." if prefix else ""
-    if isinstance(block, Block):
-        for name in names or tuple(type(block).model_fields):
-            value, default = getattr(block, name), _default_of(block, name)
-            if value == default:
-                continue
-            if isinstance(value, Block):
-                yield from _changed(value, f"{head}{name}", (), None)
-            else:
-                yield f"{head}{name}={show(value)}"
-        return
-    defaults = defaults or {}
-    for name, value in block.items():
-        if names and name not in names:
-            continue
-        default = defaults.get(name, _MISSING)
-        if value == default:
-            continue
-        if isinstance(value, Mapping) and isinstance(default, Mapping):
-            yield from _changed(value, f"{head}{name}", (), default)
-        else:
-            yield f"{head}{name}={show(value)}"
-
-
-def _compression(cfg: ZeroshardConfig) -> list[str]:
-    block = cfg.compression_training or {}
-    found = []
-    for name in _COMPRESSION_TECHNIQUES:
-        shared = (block.get(name) or {}).get("shared_parameters") or {}
-        if shared.get("enabled") is True:
-            found.append(f"compression_training.{name}.shared_parameters.enabled=true")
-    if ((block.get("layer_reduction") or {}).get("enabled")) is True:
-        found.append("compression_training.layer_reduction.enabled=true")
-    return found
-
-
-def _sequence_parallel(cfg: ZeroshardConfig) -> list[str]:
-    found = []
-    if cfg.sequence_parallel_size is not None and cfg.sequence_parallel_size > 1:
-        found.append(f"sequence_parallel_size={cfg.sequence_parallel_size}")
-    if cfg.data_parallel_size is not None:
-        found.append(f"data_parallel_size={cfg.data_parallel_size}")
-    if cfg.seq_parallel_communication_data_type != "fp32":
-        found.append(f"seq_parallel_communication_data_type={show(cfg.seq_parallel_communication_data_type)}")
-    return found
-
-
-_CUSTOM = {"compression training": _compression, "sequence parallelism": _sequence_parallel}
-
-
-def _at(cfg: ZeroshardConfig, dotted: str) -> Any:
-    value: Any = cfg
-    for part in dotted.split(".") if dotted else ():
-        value = value.get(part) if isinstance(value, Mapping) else getattr(value, part)
-    return value
-
-
-def _turned_on(cfg: ZeroshardConfig, feature: Feature) -> list[str]:
-    """The settings by which `cfg` turns `feature` on (see `features.Feature`); empty when it does not."""
-    if feature.on == "custom":
-        return _CUSTOM[feature.name](cfg)
-    block = _at(cfg, feature.at)
-    if feature.on == "enabled":
-        value = block.get("enabled") if isinstance(block, Mapping) else getattr(block, "enabled", None)
-        return [f"{feature.at}.enabled=true"] if value is True else []
-    if feature.on == "present":
-        off = (
-            block is None or block is False or (isinstance(block, Mapping) and block.get("enabled") is False)
-        )
-        return [] if off else [feature.at]
-    if block is None:
-        return []
-    defaults = feature.defaults
-    if defaults is None and feature.at in FEATURE_BLOCKS:
-        defaults = FEATURE_BLOCKS[feature.at].defaults()
-    return list(_changed(block, feature.at, feature.settings, defaults))
-
-
-def out_of_scope_warnings(cfg: ZeroshardConfig) -> list[str]:
-    """One message per out-of-scope feature `cfg` turns on (see [Note: out-of-scope features])."""
-    messages = []
-    for feature in OUT_OF_SCOPE:
-        settings = _turned_on(cfg, feature)
-        if settings:
-            listed = ", ".join(settings)
-            messages.append(
-                f"{feature.name} is not supported by zeroshard; these settings have no effect: {listed}"
-            )
-    return messages

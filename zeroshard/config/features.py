@@ -39,7 +39,7 @@ __all__ = [
 # a typed model: each block maps its keys to (value type, DeepSpeed's default, what it does). The value
 # type is a pydantic annotation from blocks.py, so values are checked (and messages worded) as in the
 # typed blocks. `check_feature_blocks` checks a config's blocks against the tables and fills in the
-# defaults; `OUT_OF_SCOPE` says when a block turns its feature on (`checks.out_of_scope_warnings`), and
+# defaults; `OUT_OF_SCOPE` says when a block turns its feature on (`out_of_scope_warnings`), and
 # `NO_EFFECT` lists the in-scope settings whose non-default value zeroshard does not act on.
 
 Setting = tuple[Any, Any, str]

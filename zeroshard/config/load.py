@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from pydantic import ValidationError
 
-from zeroshard.config.checks import check_config, out_of_scope_warnings
+from zeroshard.config.checks import check_config
 from zeroshard.config.elasticity import ElasticityConfigError, ElasticityError, elastic_batch
 from zeroshard.config.errors import ConfigError, ConfigWarning, Problems, show
 from zeroshard.config.features import check_feature_blocks
@@ -48,6 +48,7 @@ from zeroshard.config.resolve import (
     resolve_batch,
 )
 from zeroshard.config.schema import ZeroshardConfig
+from zeroshard.config.scope_warnings import out_of_scope_warnings
 
 __all__ = [
     "MAX_DEPTH",

@@ -1,5 +1,5 @@
 """When a config turns on a DeepSpeed feature zeroshard does not implement (`OUT_OF_SCOPE`, read by
-`checks.out_of_scope_warnings`), and the in-scope settings whose non-default value zeroshard does not act
+`out_of_scope_warnings`), and the in-scope settings whose non-default value zeroshard does not act
 on (`NO_EFFECT`). The feature blocks themselves are declared in `features.py` ([Note: features as data]).
 """
 
@@ -98,7 +98,7 @@ OUT_OF_SCOPE: tuple[Feature, ...] = (
     Feature("DeepSpeed engine switches", "", "changed", _ENGINE_SWITCHES),
 )
 """Every DeepSpeed feature zeroshard does not implement, and when a config turns it on; one warning per
-feature turned on names its settings (see [Note: out-of-scope features] in checks.py)."""
+feature turned on names its settings (see [Note: out-of-scope features] in scope_warnings.py)."""
 
 _FP32_STATE = (
     "zeroshard keeps the master weights, the gradients they are stepped with and the optimizer state in fp32"

@@ -8,8 +8,8 @@ A training step, as the user drives it::
 
 The engine owns the bookkeeping of the loop (micro-steps, the accumulation boundary, counters, the
 scheduler); how units are laid out and reduced lives in ``flat_param``, ``grad_sync`` and ``optimizer``.
-What a step does with non-finite gradients is ``nonfinite.py``; the checkpoint methods are
-``checkpointing.py``, DeepSpeed's other engine names ``surface.py``.
+Non-finite gradients: ``nonfinite.py``; checkpoint methods: ``checkpointing.py``; read-only queries:
+``measurements.py``; DeepSpeed's other engine names: ``surface.py``.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ from zeroshard.core.grad_sync import GradientReducer
 from zeroshard.core.hybrid import ShardGroups
 from zeroshard.core.liveness import collective_api
 from zeroshard.core.loss_scaler import LossScaleFloorError, LossScaler
-from zeroshard.core.memory import MemoryBreakdown, measure
 from zeroshard.core.optimizer import ShardedStep
 from zeroshard.core.precision import cast_floating
 from zeroshard.core.stage3.gatherer import ParameterGatherer
@@ -39,6 +38,7 @@ from zeroshard.errors import UsageError
 from zeroshard.offload.setup import Offload
 from zeroshard.runtime.checkpointing import CheckpointMethods, close_checkpoint_writer
 from zeroshard.runtime.data import ResumableDataLoader
+from zeroshard.runtime.measurements import EngineMeasurements
 from zeroshard.runtime.nonfinite import loss_scale_floor_error, stop_or_warn
 from zeroshard.runtime.queries import DeepSpeedQueries
 from zeroshard.telemetry import Telemetry
@@ -47,11 +47,10 @@ from zeroshard.zero import TrainedParameters
 logger = logging.getLogger(__name__)
 
 
-class ZeroshardEngine(DeepSpeedQueries, CheckpointMethods):
+class ZeroshardEngine(EngineMeasurements, DeepSpeedQueries, CheckpointMethods):
     """Wraps a model for ZeRO data-parallel training. Build it with :func:`zeroshard.initialize`.
 
-    Collective: ``backward``, ``step`` (at the accumulation boundary) and ``memory_breakdown`` is local;
-    every rank of the data-parallel group must call ``backward`` and ``step`` the same number of times.
+    Collective: every rank of the data-parallel group calls ``backward`` and ``step`` equally often.
     """
 
     def __init__(
@@ -353,11 +352,6 @@ class ZeroshardEngine(DeepSpeedQueries, CheckpointMethods):
             else:
                 p.grad.detach_().zero_()
 
-    def is_gradient_accumulation_boundary(self) -> bool:
-        if self._boundary_override is not None:  # set_gradient_accumulation_boundary (surface.py)
-            return self._boundary_override
-        return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
-
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Skip gradient reduction for the backwards inside (stages 0 and 1 only), as DeepSpeed's.
@@ -404,40 +398,3 @@ class ZeroshardEngine(DeepSpeedQueries, CheckpointMethods):
         with collective_api(self.comm, "full_state_dict", self.global_steps, check=self.gatherer is not None):
             with self.gathered_parameters():
                 return {key: value.detach().clone() for key, value in self.module.state_dict().items()}
-
-    # -- queries -------------------------------------------------------------------------------------
-    def get_lr(self) -> list[float]:
-        if self.optimizer is None:
-            return []
-        return [float(g["lr"]) for g in self.optimizer.param_groups]
-
-    def gradient_accumulation_steps(self) -> int:
-        return self.config.gradient_accumulation_steps
-
-    def memory_breakdown(self) -> MemoryBreakdown:
-        """This rank's model-state bytes, measured from the tensors it holds, and the formula's prediction."""
-        return measure(
-            self.units,
-            self.optimizer,
-            stage=self.plan.stage,
-            world_size=self.sharding.shard.world_size,  # the ranks the state is sharded over
-            communication_buffers=self.reducer.peak_bucket_bytes,
-            offloaded=self.offload.offloaded_bytes(),
-            cached_buffers=self.reducer.pool.idle_bytes,
-        )
-
-    def communication_bytes(self) -> int:
-        """Bytes moved by model-state collectives since the engine was built (see comm.py)."""
-        return self.comm.stats.total_bytes
-
-    def communication_bytes_by_group(self) -> dict[str, int]:
-        """:meth:`communication_bytes` by the group each collective ran on: ``"world"`` (every rank, plain
-        ZeRO), ``"shard"`` and ``"replica"`` (hybrid sharding: hybrid.py [Note: hybrid sharding]),
-        ``"gather"`` (stage 3's parameter gathers), ``"hpz"`` (with hpZ, stage 3's backward gathers from
-        secondary shards: hybrid.py [Note: hpZ groups])."""
-        return {group: n for group, n in self.comm.stats.bytes_by_group.items() if n}
-
-    def cross_node_bytes(self) -> int:
-        """Bytes this rank sent to ranks on other nodes since the engine was built, by the model-state
-        collectives (core/traffic.py [Note: bytes across nodes]); per step: the difference across it."""
-        return self.comm.stats.cross_node_bytes
