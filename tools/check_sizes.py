@@ -49,8 +49,10 @@ GROWTH = 0.10
 # most of these; shrink or delete an entry when its module or function is cut (the check insists).
 ALLOWED: dict[str, int] = {
     # --- modules (limit 400) ---
-    # The Comm class, one method per collective; the point-to-point exchanges (_exchange_*) could move out.
-    "zeroshard.core.comm": 404,
+    # The one module that calls torch.distributed (STYLE: all collectives in one module): the Comm class,
+    # one method per collective, the direct exchanges and the byte counts by group and across nodes.
+    # Moving the exchanges out would put point-to-point calls in a second module.
+    "zeroshard.core.comm": 427,
     # QUERIES is a ~190-line table of data (one line per DeepSpeed query); the table could move to a module.
     # Mirrors deepspeed.runtime.utils one to one so that ported imports resolve; DeepSpeed's is one module.
     "zeroshard.deepspeed.runtime.utils": 411,
