@@ -53,6 +53,14 @@ def _ds_env() -> dict[str, str]:
     return env
 
 
+def _ds_reference_env() -> dict[str, str]:
+    """``_ds_env`` for a run of the real DeepSpeed: tests/ds_reference/sitecustomize.py destroys its
+    process group at exit, as zeroshard does for its own runs."""
+    env = _ds_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tests" / "ds_reference"), str(ROOT)])
+    return env
+
+
 def _real_deepspeed() -> str | None:
     """None when the interpreter imports a real DeepSpeed; otherwise why not."""
     probe = "import deepspeed, sys; sys.exit(0 if 'zeroshard' not in deepspeed.__file__ else 3)"
@@ -68,7 +76,7 @@ def run_deepspeed(out: Path, resume: Path | None = None) -> None:
     """tests/ds_scripts/ds_checkpoints.py under DeepSpeed, two gloo ranks on CPU."""
     args = [_ds_python(), "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     args += [str(SCRIPT), str(out), *([str(resume)] if resume is not None else [])]
-    done = subprocess.run(args, env=_ds_env(), capture_output=True, text=True, timeout=400)
+    done = subprocess.run(args, env=_ds_reference_env(), capture_output=True, text=True, timeout=400)
     if done.returncode != 0:
         raise AssertionError(
             f"DeepSpeed run failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"

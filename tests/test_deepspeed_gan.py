@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_deepspeed_checkpoints import _ds_env, _ds_python, _real_deepspeed
+from tests.test_deepspeed_checkpoints import _ds_env, _ds_python, _ds_reference_env, _real_deepspeed
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tests" / "ds_scripts" / "train_gan_adam.py"
@@ -30,7 +30,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(400)]
 
 def _launch(runner: str, world: int, out: Path) -> subprocess.Popen[str]:
     out.mkdir()
-    env = {**_ds_env(), "DS_SCRIPTS_OUT": str(out)}
+    env = {**(_ds_reference_env() if runner == "deepspeed" else _ds_env()), "DS_SCRIPTS_OUT": str(out)}
     if runner == "deepspeed":
         command = [_ds_python(), "-m", "torch.distributed.run", "--standalone", "--nproc_per_node"]
     else:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import datetime
 import os
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -68,3 +70,30 @@ def test_without_launcher_url_or_world_size_nothing_is_joined(monkeypatch: pytes
         monkeypatch.delenv(name, raising=False)
     assert zeroshard.init_distributed(rank=0) is False
     assert not dist.is_initialized()
+
+
+EXIT_SCRIPT = """
+import sys, torch, torch.distributed as dist
+import zeroshard
+zeroshard.init_distributed()
+t = torch.ones(1000)
+for _ in range(50):
+    dist.all_reduce(t)
+print("exit-ok", dist.get_rank(), flush=True)
+"""
+
+
+@pytest.mark.timeout(300)
+def test_a_script_that_never_destroys_its_group_exits_cleanly(tmp_path: Path) -> None:
+    """[Note: destroy the group at exit]: without the exit hook, torch 2.13 aborts such a worker at exit
+    (SIGABRT, "terminate called without an active exception") in most runs on this machine; four
+    launches in a row must all exit 0."""
+    script = tmp_path / "no_destroy.py"
+    script.write_text(EXIT_SCRIPT)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    for attempt in range(4):
+        done = subprocess.run([*command, str(script)], env=env, capture_output=True, text=True, timeout=120)
+        log = done.stdout + done.stderr
+        assert done.returncode == 0, f"launch {attempt}:\n{log[-4000:]}"
+        assert log.count("exit-ok") == 2 and "terminate called" not in log, log[-4000:]

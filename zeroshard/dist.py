@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import datetime
+import functools
 import logging
 import os
 
@@ -78,6 +80,7 @@ def init_distributed(
     """
     validate_rank(rank, world_size)
     if dist.is_initialized():
+        _destroy_at_exit()
         return True
     if "WORLD_SIZE" not in os.environ and init_method is None and world_size < 0:
         return False
@@ -95,6 +98,7 @@ def init_distributed(
     if backend == "nccl":
         torch.cuda.set_device(local_rank())
     _join(backend, init_method, timeout, rank, world_size)
+    _destroy_at_exit()
     logger.info(
         "initialized %s process group: rank %d of %d", backend, dist.get_rank(), dist.get_world_size()
     )
@@ -118,6 +122,37 @@ def _join(
         rank=rank,
         world_size=world_size,
     )
+
+
+@functools.cache
+def _destroy_at_exit() -> None:
+    """Register, once per process, the exit hook of [Note: destroy the group at exit]."""
+    atexit.register(_destroy_if_healthy)
+
+
+def _destroy_if_healthy() -> None:
+    """At interpreter exit: destroy the default process group unless a collective failed or is in flight.
+
+    [Note: destroy the group at exit]
+    A process that exits with a gloo process group still alive aborts in torch 2.13's teardown with
+    "terminate called without an active exception" (SIGABRT, so torchrun reports the worker failed) in most
+    runs on this machine: the group's C++ threads outlive the interpreter. Plain torch does the same; torch's
+    answer is that the script call ``destroy_process_group()``, which DeepSpeed scripts, the Hugging Face
+    Trainer and Lightning's strategy do not. ``init_distributed`` (and so ``initialize``) therefore registers
+    this hook, which destroys the group while the interpreter is still whole. Destroying is local for gloo
+    and NCCL. It is skipped when this process's monitor records a failed or unfinished collective: the
+    process is leaving on an error, and a destroy could wait on a peer that never answers (a hang is worse
+    than the abort). A script that destroyed the group itself finds nothing to do here.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    monitor = heartbeat.monitor_for_world()
+    if monitor.failed is not None or monitor.blocked is not None:
+        return
+    try:
+        dist.destroy_process_group()
+    except Exception as err:  # the interpreter is exiting: report, do not replace the exit status
+        logger.warning("could not destroy the process group at exit: %s", err)
 
 
 def validate_rank(rank: int, world_size: int) -> None:
