@@ -37,11 +37,19 @@ FEATURES: list[tuple[dict[str, Any], tuple[str, ...], dict[str, Any]]] = [
         {"flops_profiler": {"enabled": False, "profile_step": 3}},
     ),
     (
-        {"zero_optimization": {"stage": 3, "zero_quantized_weights": True, "zero_hpz_partition_size": 8}},
-        ("ZeRO++", "zero_quantized_weights=true"),  # zero_hpz_partition_size is implemented (hpZ)
-        {"zero_optimization": {"stage": 3, "zero_quantized_weights": False, "zero_hpz_partition_size": 1}},
+        {"zero_optimization": {"stage": 3, "zero_quantized_nontrainable_weights": True}},
+        ("ZeRO++", "zero_quantized_nontrainable_weights=true"),
+        # zero_hpz_partition_size (hpZ) and the quantized collectives are implemented
+        {
+            "zero_optimization": {
+                "stage": 3,
+                "zero_quantized_weights": True,
+                "zero_quantized_gradients": True,
+                "zero_hpz_partition_size": 1,
+            }
+        },
     ),
-    ({"zero_optimization": {"stage": 3, "zero_quantized_gradients": True}}, ("ZeRO++",), {}),
+    ({"zero_optimization": {"stage": 3, "zeropp_loco_param": {"err_beta": 0.8}}}, ("ZeRO++",), {}),
     (
         {"zero_optimization": {"stage": 2, "zenflow": {"topk_ratio": 0.05}}},
         ("ZenFlow",),
@@ -165,8 +173,8 @@ def test_several_features_give_one_warning_each() -> None:
             "tensor_parallel": {"autotp_size": 2},
             "zero_optimization": {
                 "stage": 3,
-                "zero_quantized_weights": True,
-                "zero_quantized_gradients": True,
+                "zero_quantized_nontrainable_weights": True,
+                "zeropp_loco_param": {"err_beta": 0.8},
             },
         }
     )

@@ -58,14 +58,15 @@ def test_hpz_parity() -> None:
 
 # -- bit-identical to plain ZeRO-3 ------------------------------------------------------------------------
 class Blocks(nn.Module):
-    """Two residual blocks and a head; ``reentrant`` None: no activation checkpointing."""
+    """Two residual blocks of ``width`` -> ``hidden`` -> ``width`` and a head; ``reentrant`` None: no
+    activation checkpointing."""
 
-    def __init__(self, reentrant: bool | None) -> None:
+    def __init__(self, reentrant: bool | None, width: int = 8, hidden: int = 13) -> None:
         super().__init__()
         self.blocks = nn.ModuleList(
-            nn.Sequential(nn.Linear(8, 13), nn.Tanh(), nn.Linear(13, 8)) for _ in "ab"
+            nn.Sequential(nn.Linear(width, hidden), nn.Tanh(), nn.Linear(hidden, width)) for _ in "ab"
         )
-        self.head = nn.Linear(8, 3)
+        self.head = nn.Linear(width, 3)
         self.reentrant = reentrant
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

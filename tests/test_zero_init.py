@@ -94,8 +94,8 @@ def test_init_takes_deepspeeds_arguments_and_refuses_others() -> None:
         zeroshard.zero.Init(config_dict_or_path={}, not_a_deepspeed_argument=1)  # type: ignore[call-arg]
     with pytest.raises(ValueError, match="mpu"):
         zeroshard.zero.Init(mpu=object())
-    with pytest.raises(ValueError, match="quantized"):
-        zeroshard.zero.Init(zero_quantized_weights=True)
+    with pytest.raises(ValueError, match="zero_quantized_nontrainable_weights"):
+        zeroshard.zero.Init(zero_quantized_nontrainable_weights=True)
     with pytest.raises(TypeError, match="module"):
         zeroshard.zero.Init(module=[torch.nn.Linear(2, 2)])  # type: ignore[arg-type]
 

@@ -323,3 +323,26 @@ def multinode(load: Load) -> str:
         f"{doc['machine']['loadavg_after'][0]:.1f} after."
     )
     return _join(machine_line(doc["machine"]) + " " + run, "\n".join(lines))
+
+
+def quantized(load: Load) -> str:
+    doc = load("quantized.json")
+    columns = ["run", "gathered per step (MiB)", "× plain", "reduce-scattered per step (MiB)", "× plain"]
+    columns += ["loss, last 20 steps", "× plain", "largest gap to plain"]
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for name, row in doc["rows"].items():
+        b, f = row["bytes_by_op"], row["bytes_fraction_of_plain"]
+        lines.append(
+            f"| {name} | {b.get('all_gather', 0) / MIB:.2f} | {f.get('all_gather', 0):.3f} "
+            f"| {b.get('reduce_scatter', 0) / MIB:.2f} | {f.get('reduce_scatter', 0):.3f} "
+            f"| {row['final_loss']:.4f} | {1 + row['final_loss_vs_plain']:.4f} "
+            f"| {row['max_gap_to_plain']:.4f} |"
+        )
+    m = doc["model"]
+    run = (
+        f"GPT of {m['n_layer']} layers, width {m['n_embd']}, vocab {m['vocab_size']}; "
+        f"{doc['steps']} steps of {doc['micro_batch']} × {m['block_size']} tokens per rank "
+        f"at W = {doc['world_size']}; "
+        f"{doc['wall_s'] / 60:.1f} min."
+    )
+    return _join(" ".join(p for p in (machine_line(doc.get("machine")), run) if p), "\n".join(lines))

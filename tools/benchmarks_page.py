@@ -71,6 +71,7 @@ TABLES: dict[str, tuple[tuple[str, ...], Renderer]] = {
     "largest": (("largest.json",), tab.largest),
     "gpu": (("gpu.json",), tab.gpu),
     "multinode": (("multinode.json",), tab.multinode),
+    "quantized": (("quantized.json",), tab.quantized),
 }
 
 BLOCK = re.compile(

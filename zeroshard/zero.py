@@ -241,10 +241,12 @@ class Init:
         for name, value in unsupported.items():
             if value is not None:
                 raise ValueError(f"zero.Init({name}=...) is not supported by zeroshard (data parallel only)")
-        if zero_quantized_weights or zero_quantized_nontrainable_weights:
+        if zero_quantized_nontrainable_weights:
             raise ValueError(
-                "zero.Init(zero_quantized_weights=...) (ZeRO++ quantized weights) is not supported"
+                "zero.Init(zero_quantized_nontrainable_weights=...) (ZeRO++ quantized storage of frozen "
+                "weights) is not supported"
             )
+        # zero_quantized_weights: the engine's gathers follow the config's zero_quantized_weights.
         self.enabled = enabled
         self.dtype = dtype
         if enabled and data_parallel_group is None:

@@ -311,11 +311,12 @@ class ZeroConfig(Block):
     """ZeRO++ hierarchical partitioning (hpZ, stage 3): the backward gathers parameters from secondary
     shards over groups of this many consecutive ranks; must divide the world size (0, 1, >= world: off)."""
     zero_quantized_weights: Bool = False
-    """ZeRO++ quantized weight all-gather."""
+    """ZeRO++ qwZ (stage 3): parameters all-gathered in blockwise int8, 1/2 (bf16) or 1/4 (fp32) of the
+    bytes; lossy."""
     zero_quantized_nontrainable_weights: Bool = False
     """ZeRO++ quantized storage of frozen weights."""
     zero_quantized_gradients: Bool = False
-    """ZeRO++ quantized gradient reduction."""
+    """ZeRO++ qgZ (stage 3): gradients reduce-scattered as blockwise int8 chunks (an all-to-all); lossy."""
     zeropp_loco_param: dict[str, Any] | None = None
     """ZeRO++ LoCo settings, kept as given."""
     mics_shard_size: Int = -1

@@ -183,6 +183,17 @@ def _hpz(cfg: ZeroshardConfig, problems: Problems, notes: list[str]) -> None:
             problems.add(f"{key} with zero_optimization.{other} is not supported: use one or the other")
 
 
+def _quantized(cfg: ZeroshardConfig, notes: list[str]) -> None:
+    """ZeRO++'s quantized collectives (core/quantize.py [Note: quantized collectives]): stage 3 only."""
+    zero = cfg.zero_optimization
+    for key in ("zero_quantized_weights", "zero_quantized_gradients"):
+        if getattr(zero, key) and zero.stage < 3:
+            notes.append(
+                f"zero_optimization.{key}: true has no effect at stage {zero.stage}: ZeRO++ quantizes "
+                "stage 3's parameter gathers and gradient reduce-scatters"
+            )
+
+
 def _without_effect(cfg: ZeroshardConfig, notes: list[str]) -> None:
     """Warnings for settings zeroshard does not implement (see [Note: settings without effect])."""
     for key, value, instead in NO_EFFECT:
@@ -306,6 +317,7 @@ def check_config(
     _offload(cfg, problems, notes)
     _hybrid(cfg, problems, notes)
     _hpz(cfg, problems, notes)
+    _quantized(cfg, notes)
     _allreduce_op(cfg, problems)
     _data_types(cfg, problems, notes)
     _without_effect(cfg, notes)

@@ -34,12 +34,8 @@ class Feature:
     defaults: Mapping[str, Any] | None = None
 
 
-_ZERO_PLUS_PLUS = (
-    "zero_quantized_weights",
-    "zero_quantized_nontrainable_weights",
-    "zero_quantized_gradients",
-    "zeropp_loco_param",
-)
+# zero_quantized_weights / zero_quantized_gradients and zero_hpz_partition_size are implemented.
+_ZERO_PLUS_PLUS = ("zero_quantized_nontrainable_weights", "zeropp_loco_param")
 _ZERO_INTERNALS = (
     "legacy_stage1",
     "elastic_checkpoint",

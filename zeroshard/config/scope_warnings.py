@@ -9,8 +9,8 @@
 - sparse_attention, zenflow, datastates_ckpt, weight_quantization: when present (DeepSpeed turns them on
   by presence; weight_quantization unless `enabled: false`);
 - compression_training: when any technique's `shared_parameters.enabled` (or layer_reduction.enabled) is true;
-- ZeRO++ (zero_quantized_*, zeropp_loco_param), SuperOffload
-  (offload_optimizer.super_offload), sequence parallelism
+- ZeRO++'s quantized frozen weights and LoCo (zero_quantized_nontrainable_weights, zeropp_loco_param),
+  SuperOffload (offload_optimizer.super_offload), sequence parallelism
   (sequence_parallel_size > 1, data_parallel_size, seq_parallel_communication_data_type not fp32), and
   DeepSpeed-internal ZeRO and engine switches: when set to a non-default value.
 The config still loads; the warning names the settings that have no effect.

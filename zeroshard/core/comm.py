@@ -205,37 +205,45 @@ class Comm:
         fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         return self._launch(what, "all_gather", nbytes, fn, full, shard)
 
+    def all_to_all(
+        self, received: torch.Tensor, sent: torch.Tensor, *, what: str = "all_to_all", op: str = "all_to_all"
+    ) -> Pending:
+        """Send chunk ``r`` of ``sent`` (``world_size`` equal chunks) to rank ``r``; chunk ``r`` of
+        ``received`` gets rank ``r``'s chunk for this rank. ``op`` names it in the byte counts.
+
+        Collective: call on all ranks."""
+        if self.world_size == 1:
+            received.copy_(sent)
+            return DONE
+        n, rank = sent.numel() // self.world_size, self.rank
+        nbytes = sent.numel() * sent.element_size()
+        cross = direct_cross_bytes(n * sent.element_size(), rank, self.nodes)  # one message per peer
+        received[rank * n : (rank + 1) * n].copy_(sent[rank * n : (rank + 1) * n])
+        if self.direct:
+            return self._exchange(
+                lambda dst: sent[dst * n : (dst + 1) * n],
+                lambda src: received[src * n : (src + 1) * n],
+                what,
+                op,
+                nbytes,
+                cross,
+            )
+        self._count(op, nbytes, cross)
+        seq = self.monitor.note(self.key, op, what)
+        work = self._start(
+            seq, what, lambda: dist.all_to_all_single(received, sent, group=self.group, async_op=True)
+        )
+        return Pending(work, what, rank, self.timeout, stats=self.stats, op=op, channel=self, seq=seq)
+
     # -- [Note: direct exchange] ---------------------------------------------------------------------
     def _exchange_gather(self, full: torch.Tensor, shard: torch.Tensor, what: str, nbytes: int) -> Pending:
         n, rank = shard.numel(), self.rank
         own = full[rank * n : (rank + 1) * n]
         if own.data_ptr() != shard.data_ptr():
             own.copy_(shard)
-        tag = self._exchange_tag(n, shard.dtype, what)
-        seq = self.monitor.note(self.key, "all_gather", what)
-
-        def start() -> list[Any]:
-            works = []
-            for k in range(1, self.world_size):
-                dst, src = (rank + k) % self.world_size, (rank - k) % self.world_size
-                works.append(dist.isend(shard, group=self.group, group_dst=dst, tag=tag))
-                works.append(
-                    dist.irecv(full[src * n : (src + 1) * n], group=self.group, group_src=src, tag=tag)
-                )
-            return works
-
-        works = self._start(seq, what, start)
-        self._count("all_gather", nbytes, direct_cross_bytes(n * shard.element_size(), rank, self.nodes))
-        return Pending(
-            works,
-            what,
-            rank,
-            self.timeout,
-            stats=self.stats,
-            op="all_gather",
-            channel=self,
-            seq=seq,
-            exchange=True,
+        cross = direct_cross_bytes(n * shard.element_size(), rank, self.nodes)
+        return self._exchange(
+            lambda dst: shard, lambda src: full[src * n : (src + 1) * n], what, "all_gather", nbytes, cross
         )
 
     def _exchange_reduce_scatter(
@@ -245,22 +253,9 @@ class Comm:
         # Chunks are summed in rank order, whichever rank sums them. With two ranks the peer's chunk lands
         # in ``output`` itself (a + b == b + a); with more, every peer's chunk in a buffer of its own.
         inbox = [output] if world == 2 else list(torch.empty((world - 1, n), dtype=output.dtype))
-        tag = self._exchange_tag(n, output.dtype, what)
-        seq = self.monitor.note(self.key, "reduce_scatter", what)
         chunks: dict[int, torch.Tensor] = {rank: full[rank * n : (rank + 1) * n]}
-
-        def start() -> list[Any]:
-            works = []
-            for k in range(1, world):
-                dst, src = (rank + k) % world, (rank - k) % world
-                chunks[src] = inbox[k - 1]
-                works.append(
-                    dist.isend(full[dst * n : (dst + 1) * n], group=self.group, group_dst=dst, tag=tag)
-                )
-                works.append(dist.irecv(inbox[k - 1], group=self.group, group_src=src, tag=tag))
-            return works
-
-        works = self._start(seq, what, start)
+        for k in range(1, world):
+            chunks[(rank - k) % world] = inbox[k - 1]
 
         def total() -> None:
             if world == 2:
@@ -270,15 +265,53 @@ class Comm:
             for r in range(2, world):
                 output.add_(chunks[r])
 
-        self._count("reduce_scatter", nbytes, direct_cross_bytes(n * full.element_size(), rank, self.nodes))
+        cross = direct_cross_bytes(n * full.element_size(), rank, self.nodes)
+        return self._exchange(
+            lambda dst: full[dst * n : (dst + 1) * n],
+            chunks.__getitem__,
+            what,
+            "reduce_scatter",
+            nbytes,
+            cross,
+            total,
+        )
+
+    def _exchange(
+        self,
+        outgoing: Callable[[int], torch.Tensor],
+        incoming: Callable[[int], torch.Tensor],
+        what: str,
+        op: str,
+        nbytes: int,
+        cross: int,
+        then: Callable[[], None] | None = None,
+    ) -> Pending:
+        """Send ``outgoing(dst)`` to every other rank ``dst`` and receive ``incoming(src)`` from every
+        other rank ``src``, each one tagged message ([Note: direct exchange]); ``then`` runs after all
+        arrived."""
+        rank, world = self.rank, self.world_size
+        probe = outgoing((rank + 1) % world)
+        tag = self._exchange_tag(probe.numel(), probe.dtype, what)
+        seq = self.monitor.note(self.key, op, what)
+
+        def start() -> list[Any]:
+            works = []
+            for k in range(1, world):
+                dst, src = (rank + k) % world, (rank - k) % world
+                works.append(dist.isend(outgoing(dst), group=self.group, group_dst=dst, tag=tag))
+                works.append(dist.irecv(incoming(src), group=self.group, group_src=src, tag=tag))
+            return works
+
+        works = self._start(seq, what, start)
+        self._count(op, nbytes, cross)
         return Pending(
             works,
             what,
             rank,
             self.timeout,
             stats=self.stats,
-            op="reduce_scatter",
-            then=total,
+            op=op,
+            then=then,
             channel=self,
             seq=seq,
             exchange=True,

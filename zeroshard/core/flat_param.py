@@ -40,6 +40,7 @@ from zeroshard.core.buffers import BufferPool
 from zeroshard.core.comm import Comm, Pending
 from zeroshard.core.layout import FlatLayout, Piece
 from zeroshard.core.precision import DtypePolicy
+from zeroshard.core.quantize import quantized_all_gather
 from zeroshard.core.shard_store import InMemoryShards, ShardStore
 from zeroshard.core.stages import StagePlan
 
@@ -161,10 +162,11 @@ class FlatUnit:
     def gathered(self) -> bool:
         return self.full.numel() > 0 or self.layout.padded == 0
 
-    def start_gather(self, comm: Comm, *, from_secondary: bool = False) -> None:
+    def start_gather(self, comm: Comm, *, from_secondary: bool = False, quantized: bool = False) -> None:
         """Launch the all-gather of the full parameters (no-op if gathered or on the way): of the primary
         shards over ``comm``, or with ``from_secondary`` of the secondary shards over ``comm``, the hpZ group
-        ([Note: hpZ secondary shards]).
+        ([Note: hpZ secondary shards]); with ``quantized`` in int8 (quantize.py [Note: quantized
+        collectives]).
 
         Collective: call on all ranks of ``comm``, in the same unit order.
         """
@@ -179,8 +181,9 @@ class FlatUnit:
         # From pinned CPU memory (ZeRO-Offload masters) the cast runs on the GPU after an async DMA; the
         # optimizer step waits for the stream before it writes the masters again (ShardedStep._step_grads).
         shard = source.to(device=self.device, dtype=self.policy.compute, non_blocking=self.host_to_device)
-        self._gathering = comm.all_gather(
-            self.full, shard, what=f"parameter all_gather of unit {self.index} ({self.names[0]}, ...)"
+        gather = quantized_all_gather if quantized else Comm.all_gather
+        self._gathering = gather(
+            comm, self.full, shard, what=f"parameter all_gather of unit {self.index} ({self.names[0]}, ...)"
         )
 
     def finish_gather(self) -> None:

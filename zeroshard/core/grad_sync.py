@@ -62,6 +62,7 @@ from zeroshard.core.grad_buckets import GradientBuckets
 from zeroshard.core.hybrid import all_reduce_grad_shards
 from zeroshard.core.inflight import MAX_INFLIGHT, InFlight
 from zeroshard.core.layout import GroupLayout
+from zeroshard.core.quantize import reduce_scatter_for
 from zeroshard.core.reduction_groups import Averaging, ReductionGroup, group_units
 from zeroshard.core.stage3.coupling import ParameterSide
 from zeroshard.core.stages import StagePlan
@@ -91,7 +92,8 @@ class GradientReducer:
     coalesced reduction]), and so does the largest unit. ``params`` is told when a unit's gradients are
     reduced and says whether backward gathers; ``inflight`` holds the launched reductions, which the stage-3
     gatherer may retire too ([Note: reducer and gatherer]). ``replica`` (hybrid sharding only) is the group
-    the boundary's gradient shards are all-reduced over ([Note: hybrid sharding] in hybrid.py).
+    the boundary's gradient shards are all-reduced over ([Note: hybrid sharding] in hybrid.py). With
+    ``quantized`` the reduce-scatters send int8 (quantize.py [Note: quantized collectives]).
 
     Collective: :meth:`finish_backward` must be called on all ranks.
     """
@@ -109,9 +111,11 @@ class GradientReducer:
         params: ParameterSide,
         inflight: InFlight,
         replica: Comm | None = None,
+        quantized: bool = False,
     ) -> None:
         self.units = list(units)
         self.replica = replica
+        self._reduce_scatter = reduce_scatter_for(comm, quantized)
         # Whether the gradient shards hold the replica group's sum since the last zero_grad (a second
         # boundary backward before the step first takes them back to this shard group's part).
         self._replicated = False
@@ -334,7 +338,7 @@ class GradientReducer:
 
         else:
             out = self.pool.take(group.layout.chunk, reduce_dtype, full.device)
-            pending = self.comm.reduce_scatter(out, full, what=what)
+            pending = self._reduce_scatter(out, full, what=what)
             accumulate = not group.keeps_full  # sharded gradients sum over micro-steps
             pooled = None if group.keeps_full or adopted else full
             placed = list(zip(group.units, group.layout.offsets, strict=True))

@@ -138,6 +138,21 @@ class Pending:
         self._seq = seq
         self._exchange = exchange  # a direct exchange: see comm.py [Note: direct exchange]
 
+    def and_then(self, fn: Callable[[], None]) -> Pending:
+        """Run ``fn`` once the collective is waited for, after its own ``then`` (at once if already done)."""
+        if self._work is None:
+            fn()
+            return self
+        first = self._then
+
+        def both() -> None:
+            if first is not None:
+                first()
+            fn()
+
+        self._then = both
+        return self
+
     def done(self) -> bool:
         """Whether the collective has completed, without waiting (gloo's send/recv never say so)."""
         works = self._work if isinstance(self._work, list) else [self._work]

@@ -36,6 +36,7 @@ from zeroshard.core.optimizer import (
 from zeroshard.core.reduction_groups import Averaging
 from zeroshard.core.stage3.coupling import NoGatherer
 from zeroshard.core.stage3.gatherer import ParameterGatherer
+from zeroshard.core.stage3.secondary import GatherSource
 from zeroshard.core.stages import StagePlan, plan_for
 from zeroshard.core.units import UnitOptions, UnitRules, build_units
 from zeroshard.core_config import loss_scaler_from_config, policy_from_config, unit_rules_from_config
@@ -221,7 +222,9 @@ def _build_sync(
             max_reuse_distance=zero.max_reuse_distance,
             pool=parts.pool,
             reductions=inflight,
-            hpz=sharding.hpz,  # the backward's gathers from secondary shards: stage3/secondary.py
+            # Later gathers from hpZ's secondary shards (stage3/secondary.py), first ones in int8 with
+            # zero_quantized_weights (core/quantize.py [Note: quantized collectives]).
+            source=GatherSource(sharding.gather, sharding.hpz, quantized=zero.zero_quantized_weights),
         )
     reducer = GradientReducer(
         parts.units,
@@ -237,6 +240,7 @@ def _build_sync(
         params=gatherer if gatherer is not None else NoGatherer(gathers=plan.shard_parameters),
         inflight=inflight,
         replica=sharding.replica,
+        quantized=zero.zero_quantized_gradients and plan.shard_parameters,  # stage 3 only, as DeepSpeed
     )
     reducer.register_hooks()
     if gatherer is not None:

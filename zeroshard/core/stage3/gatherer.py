@@ -94,8 +94,8 @@ class ParameterGatherer:
     gradients are reduced; ``reductions`` are the reducer's reductions in flight ([Note: reducer and
     gatherer]).
 
-    Collective: the hooks gather with all-gathers (in a backward over ``hpz`` where hpZ is on: [Note: hpZ
-    secondary shards]), so every rank must run the same modules in the same order.
+    Collective: the hooks gather with all-gathers (over the group ``source`` picks: [Note: hpZ secondary
+    shards]), so every rank must run the same modules in the same order.
     """
 
     def __init__(
@@ -108,10 +108,10 @@ class ParameterGatherer:
         max_reuse_distance: int,
         pool: BufferPool,
         reductions: InFlight,
-        hpz: Comm | None = None,
+        source: GatherSource | None = None,
     ) -> None:
         self.comm = comm
-        self._source = GatherSource(comm, hpz)  # [Note: hpZ secondary shards]
+        self._source = source or GatherSource(comm, None)  # hpZ, int8: stage3/secondary.py, quantize.py
         self.pool = pool  # the units' own pool: holds are exempt from its high-water mark
         self._reductions = reductions
         self.schedule = PrefetchSchedule(  # see [Note: prefetch schedule]
@@ -315,7 +315,7 @@ class ParameterGatherer:
             )
         self._checks.launch([u.index for u in units])
         for unit in units:
-            self._source.start(unit, self._phase)
+            self._source.start(unit)
 
     def _describe(self, index: int) -> str:
         for unit in self._all_units():
