@@ -100,11 +100,18 @@ def remove_markers(tmp: str) -> None:
 
 
 def _yield_to_training() -> None:
-    """Run this thread at the lowest CPU priority (Linux schedules threads one by one): training threads
-    that want a core get it first, and the write takes the cycles they leave. Elsewhere, or when the
-    priority cannot be changed, the thread keeps the process's."""
+    """Run this thread under Linux's ``SCHED_IDLE`` policy (Linux schedules threads one by one): it runs only
+    on a core no other thread wants, and a training thread that wakes (a collective completed) takes the core
+    back at once, where a merely low-priority thread would finish its time slice first. Where the policy
+    cannot be set, the lowest nice value; elsewhere the thread keeps the process's priority."""
+    tid = threading.get_native_id()
     try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+        return
+    except (AttributeError, OSError):
+        pass
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, 19)
     except (AttributeError, OSError):
         pass
 

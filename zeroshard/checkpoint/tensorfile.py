@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from zeroshard.checkpoint.errors import CheckpointError
+from zeroshard.checkpoint.file_sink import FileSink
 
 # Header sizes above this are corrupt files, not checkpoints (safetensors itself refuses > 100 MB).
 _MAX_HEADER = 100 * 1024 * 1024
@@ -124,13 +125,9 @@ def write_tensors(
         offset += spec.nbytes
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)  # safetensors aligns the data section to 8 bytes
-    digest = hashlib.sha256()
-    written = 0
-    with open(path, "wb") as f:
-        for chunk in (struct.pack("<Q", len(encoded)), encoded):
-            f.write(chunk)
-            digest.update(chunk)
-            written += len(chunk)
+    with FileSink(path) as f:  # [Note: direct checkpoint writes]
+        f.write(struct.pack("<Q", len(encoded)))
+        f.write(encoded)
         it = iter(tensors)
         for spec in specs:
             tensor = next(it, None)
@@ -141,14 +138,10 @@ def write_tensors(
                     f"{path}: tensor {spec.key!r} is {tensor.dtype} {tuple(tensor.shape)}, expected "
                     f"{spec.dtype} {spec.shape}"
                 )
-            data = _raw_bytes(tensor)
-            f.write(data)
-            digest.update(data)
-            written += len(data)
-            del tensor, data  # before the next tensor is produced: one in memory at a time
-        f.flush()
-        os.fsync(f.fileno())
-    return FileRecord(nbytes=written, sha256=digest.hexdigest())
+            f.write(_raw_bytes(tensor))
+            del tensor  # before the next tensor is produced: one in memory at a time
+        written, sha256 = f.close()
+    return FileRecord(nbytes=written, sha256=sha256)
 
 
 def sha256_file(path: str) -> str:
