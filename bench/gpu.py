@@ -170,34 +170,10 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     doc = {"device": props.name, "torch": torch.__version__, "spec": spec, "results": results}
     Path(args.out).write_text(json.dumps(doc, indent=2))
-    print(table(doc))
+    sys.path.insert(0, str(ROOT / "tools"))
+    import benchmark_tables
 
-
-def table(doc: dict[str, Any]) -> str:
-    base = next((r for r in doc["results"] if r.get("row") == "torch" and "median_s" in r), None)
-    n = next((r["params"] for r in doc["results"] if "params" in r), 0)
-    lines = [
-        f"{doc['device']}, torch {doc['torch']}, GPT of {n / 1e6:.0f}M parameters, "
-        f"{doc['spec']['micro_batch']} × {doc['spec']['model']['block_size']} tokens per step",
-        "",
-        "| row | step ms (min–max) | vs torch | tokens/s | model TFLOP/s | peak GPU GiB "
-        "| GPU B/param between steps | model state B/param | peak RSS GiB |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    for r in doc["results"]:
-        if "median_s" not in r:
-            lines.append(f"| {r['row']} | failed | | | | | | | |")
-            continue
-        ratio = f"{r['median_s'] / base['median_s']:.2f}×" if base else "–"
-        per_param = f"{r['model_state_bytes_per_param']:.1f}" if "model_state_bytes_per_param" in r else "–"
-        lines.append(
-            f"| {r['row']} | {r['median_s'] * 1e3:.0f} "
-            f"({r['min_s'] * 1e3:.0f}–{r['max_s'] * 1e3:.0f}) | {ratio} "
-            f"| {r['tokens_per_s']:,.0f} | {r['model_tflops']:.0f} | {r['peak_gpu_bytes'] / 2**30:.1f} "
-            f"| {r['gpu_bytes_after_step'] / r['params']:.1f} | {per_param} "
-            f"| {r['peak_rss_bytes'] / 2**30:.1f} |"
-        )
-    return "\n".join(lines)
+    print(benchmark_tables.gpu(lambda _: doc))
 
 
 if __name__ == "__main__":

@@ -22,7 +22,9 @@ formula column is the payload that must cross per step, in units of Ψ (the mode
 2 nodes of 2 ranks: zeroshard's direct exchange sends each remote rank its 1/W, so a collective over all four
 ranks moves 2Ψ across; an all-reduce of each 1/S shard between the S-groups of the two nodes moves 2Ψ.
 Stage-3 rows release every unit after its forward (``stage3_max_reuse_distance`` 0, as FSDP2 reshards after
-forward), so plain stage 3 moves 6Ψ, MiCS (S = 2) 2Ψ and hpZ (secondary partition of 2) 4Ψ.
+forward), so plain stage 3 moves 6Ψ, MiCS (S = 2) 2Ψ and hpZ (secondary partition of 2) 4Ψ; ZeRO++ (hpZ with
+int8 weights and gradients, core/quantize.py [Note: quantized collectives]) sends hpZ's 4Ψ as int8 with a
+4-byte scale per 256 values, 4Ψ x 1.016/4 = 1.02Ψ.
 
 Must run as root; without root or where ``ip netns`` fails it prints why and exits 0 without results. The
 namespaces are removed on every exit (finally, atexit, SIGTERM/SIGINT/SIGHUP). Raw results:
@@ -93,6 +95,10 @@ SIZES: dict[str, dict[str, Any]] = {
 }
 
 
+# The bytes of an fp32 value sent as blockwise int8: 1 byte plus a 4-byte scale per 256 (core/quantize.py).
+INT8_PER_FP32 = (1 + 4 / 256) / 4
+
+
 @dataclass(frozen=True)
 class Row:
     """One row of the table: what trains, and what must cross the link per step by formula."""
@@ -129,6 +135,19 @@ ROWS: dict[str, Row] = {
         {"stage": 3, "zero_hpz_partition_size": 2},
         "zero_hpz_partition_size",
         4,
+        "zeroshard-stage3",
+    ),
+    "zeroshard-stage3-zeropp": Row(
+        "zeroshard stage 3, ZeRO++ (hpZ 2, qwZ, qgZ)",
+        "zeroshard",
+        {
+            "stage": 3,
+            "zero_hpz_partition_size": 2,
+            "zero_quantized_weights": True,
+            "zero_quantized_gradients": True,
+        },
+        "zero_quantized_weights",
+        4 * INT8_PER_FP32,
         "zeroshard-stage3",
     ),
     "zeroshard-stage2": Row("zeroshard stage 2", "zeroshard", {"stage": 2}, formula_psi=4),

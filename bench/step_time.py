@@ -290,28 +290,6 @@ def summarise(rounds: list[dict[str, dict[str, list[dict[str, Any]]]]], model: s
     return summary
 
 
-def table(summaries: dict[str, dict[str, Any]]) -> str:
-    mib = 1024 * 1024
-    lines = [
-        "| model | system | median step (ms) | min / max (ms) | × DDP (per round) | model state / rank (MiB) "
-        "| collectives / step |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for model, summary in summaries.items():
-        n = next(iter(summary.values()))["num_parameters"]
-        label = f"{model} ({n / 1e3:.0f}k)" if n < 1e6 else f"{model} ({n / 1e6:.1f}M)"
-        for name, s in summary.items():
-            per_round = ", ".join(f"{r:.2f}" for r in s["ratio_to_ddp_per_round"])
-            calls = s["comm_calls_per_step_by_op"]
-            calls_text = ", ".join(f"{k} {v:g}" for k, v in sorted(calls.items())) if calls else ""
-            lines.append(
-                f"| {label} | {name} | {1e3 * s['median_s']:.1f} | {1e3 * s['min_s']:.1f} / "
-                f"{1e3 * s['max_s']:.1f} | **{s['ratio_to_ddp']:.2f}** ({per_round}) "
-                f"| {s['model_state_bytes'] / mib:.1f} | {calls_text} |"
-            )
-    return "\n".join(lines)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes, 3 steps, one round (smoke test)")
@@ -380,7 +358,10 @@ def main() -> None:
         rounds.append(rnd)
 
     summaries = {m: summarise(rounds, m) for m in models}
-    text = table(summaries)
+    sys.path.insert(0, str(ROOT / "tools"))
+    import benchmark_tables
+
+    text = benchmark_tables.step_time_rows(summaries)
     print(f"\nW={WORLD_SIZE}, gloo, fp32 AdamW, clipping 1.0; median of the slower rank's step\n")
     print(text + "\n")
     profiles = [

@@ -57,12 +57,17 @@ def step_time(load: Load) -> str:
         f"{doc['settings']['rounds']} rounds, {doc['wall_s'] / 60:.0f} min; load average "
         f"{m['loadavg_before'][0]:.1f} before and {m['loadavg_after'][0]:.1f} after."
     )
+    return _join(machine_line(m) + " " + run, step_time_rows(doc["summary"]))
+
+
+def step_time_rows(summaries: dict[str, dict[str, Any]]) -> str:
+    """The step-time table of ``bench/step_time.py``'s summaries (model -> system -> figures)."""
     lines = [
         "| model | system | median step (ms) | min / max (ms) | × DDP (per round) | model state / rank (MiB) "
         "| collectives / step |",
         "|---|---|---|---|---|---|---|",
     ]
-    for model, summary in doc["summary"].items():
+    for model, summary in summaries.items():
         n = next(iter(summary.values()))["num_parameters"]
         label = f"{model} ({n / 1e3:.0f}k)" if n < 1e6 else f"{model} ({n / 1e6:.1f}M)"
         for name, s in summary.items():
@@ -74,7 +79,7 @@ def step_time(load: Load) -> str:
                 f"{1e3 * s['max_s']:.1f} | **{s['ratio_to_ddp']:.2f}** ({per_round}) "
                 f"| {s['model_state_bytes'] / MIB:.1f} | {calls_text} |"
             )
-    return _join(machine_line(m) + " " + run, "\n".join(lines))
+    return "\n".join(lines)
 
 
 def comm_ops(load: Load) -> str:
