@@ -20,7 +20,7 @@ from torch import nn
 
 from zeroshard.core.comm import Comm
 from zeroshard.core.ds_attrs import present, set_available
-from zeroshard.core.flat_param import FlatUnit
+from zeroshard.core.flat_param import FlatUnit, OptimizerSlice
 from zeroshard.core.layout import FlatLayout
 from zeroshard.core.liveness import NullMonitor
 from zeroshard.core.owners import OwnerRegistry, ParameterMap
@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["GatheredParameters", "Init", "register_external_parameter"]
 
-_Owner = tuple[FlatUnit, ParameterGatherer | None, Comm]
+_Owner = tuple[FlatUnit, ParameterGatherer | None, Comm, "TrainedParameters"]
 # The parameter maps of the live engines ([Note: parameter owners] in core/owners.py).
 _ENGINES: OwnerRegistry[_Owner] = OwnerRegistry(weak=True)
 
@@ -45,17 +45,34 @@ class TrainedParameters:
     """The parameters one engine trains, each with the unit that holds it, the engine's gatherer and group.
 
     The engine and its model's state-dict hooks hold it, so it lives as long as either; ``GatheredParameters``
-    and ``safe_get_full_*`` find it from a parameter ([Note: parameter owners] in core/owners.py).
+    and ``safe_get_full_*`` find it from a parameter ([Note: parameter owners] in core/owners.py). ``shard``
+    is the group the units' shards span (``comm``, or hybrid sharding's shard group); ``optimizer`` and
+    ``slices`` (this rank's pieces of each parameter, as the optimizer steps them) serve
+    ``safe_get_full_optimizer_state``.
     """
 
-    def __init__(self, units: Sequence[FlatUnit], gatherer: ParameterGatherer | None, comm: Comm) -> None:
+    def __init__(
+        self,
+        units: Sequence[FlatUnit],
+        gatherer: ParameterGatherer | None,
+        comm: Comm,
+        *,
+        shard: Comm | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        slices: Sequence[OptimizerSlice] = (),
+    ) -> None:
         self.units = list(units)
         self.gatherer = gatherer
         self.comm = comm
+        self.shard = shard or comm
+        self.optimizer = optimizer
+        self.slices: dict[int, list[OptimizerSlice]] = {}
+        for sl in slices:
+            self.slices.setdefault(id(sl.param), []).append(sl)
         self.owners: ParameterMap[_Owner] = ParameterMap()
         for unit in self.units:
             for param in unit.params:
-                self.owners[param] = (unit, gatherer, comm)
+                self.owners[param] = (unit, gatherer, comm, self)
         _ENGINES.add(self.owners)
 
 
@@ -106,10 +123,10 @@ class GatheredParameters:
         comms = [e[2] for e in map(partition_entry, self._partitioned) if e is not None]
         comms += [
             comm
-            for unit, gatherer, comm in self._owned
+            for unit, gatherer, comm, _ in self._owned
             if (gatherer is not None and unit.plan.shard_parameters) or self.modifier_rank is not None
         ]
-        reporting = [*comms, *(comm for _, _, comm in self._owned)]
+        reporting = [*comms, *(comm for _, _, comm, _ in self._owned)]
         monitor = reporting[0].monitor if reporting else NullMonitor()
         self._stack.enter_context(monitor.api("GatheredParameters"))
         try:
@@ -123,7 +140,7 @@ class GatheredParameters:
             param.data = full_value(shape, shard, comm, shard.device)
         set_available(self._partitioned, True)
         by_gatherer: dict[int, tuple[ParameterGatherer, list[FlatUnit]]] = {}
-        for unit, gatherer, _ in self._owned:
+        for unit, gatherer, _, _ in self._owned:
             if gatherer is not None and unit.plan.shard_parameters:
                 by_gatherer.setdefault(id(gatherer), (gatherer, []))[1].append(unit)
         for gatherer, units in by_gatherer.values():
@@ -141,7 +158,7 @@ class GatheredParameters:
             self._repartition(keep=self.modifier_rank is not None and kind is None)
         try:
             if self.enabled and self.modifier_rank is not None and kind is None:
-                units = {id(u): (u, comm) for u, _, comm in self._owned}
+                units = {id(u): (u, comm) for u, _, comm, _ in self._owned}
                 for unit, comm in sorted(units.values(), key=lambda uc: uc[0].index):
                     comm.broadcast(
                         unit.full, src=self.modifier_rank, what="GatheredParameters broadcast"

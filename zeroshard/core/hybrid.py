@@ -82,10 +82,7 @@ def check_shard_size(shard_size: int, world_size: int) -> None:
     if shard_size in (-1, 0) or shard_size == world_size:
         return
     if shard_size < -1 or shard_size > world_size or world_size % shard_size:
-        raise ValueError(
-            f"zero_optimization.mics_shard_size: {shard_size} is not allowed with {world_size} ranks; "
-            f"expected a divisor of the world size {world_size} (or -1: off)"
-        )
+        raise _not_a_divisor("mics_shard_size", shard_size, world_size, "-1")
 
 
 def shard_groups(world: Comm, shard_size: int, *, gather_channel: bool) -> ShardGroups:
@@ -99,13 +96,7 @@ def shard_groups(world: Comm, shard_size: int, *, gather_channel: bool) -> Shard
     size = world.world_size
     if shard_size in (-1, 0) or shard_size == size:
         return ShardGroups(world, world, None, world.new_channel("gather") if gather_channel else None)
-    if dist.get_world_size() != size:
-        raise ValueError(
-            f"zero_optimization.mics_shard_size: {shard_size} needs the data-parallel group to be every "
-            f"process ({dist.get_world_size()}); initialize(group=...) passed a group of {size}"
-        )
-    mine = world.rank // shard_size
-    shards = [list(range(g * shard_size, (g + 1) * shard_size)) for g in range(size // shard_size)]
+    shards, mine = _consecutive(world, shard_size, "mics_shard_size")
     replicas = [list(range(j, size, shard_size)) for j in range(shard_size)]
     shard = _subgroups(world, shards, mine, "shard")
     gather = _subgroups(world, shards, mine, "gather") if gather_channel else None
@@ -121,10 +112,25 @@ def hpz_on(hpz_size: int, world_size: int) -> bool:
 def check_hpz_size(hpz_size: int, world_size: int) -> None:
     """Refuse a ``zero_hpz_partition_size`` that does not split ``world_size`` ranks into equal groups."""
     if hpz_on(hpz_size, world_size) and world_size % hpz_size:
+        raise _not_a_divisor("zero_hpz_partition_size", hpz_size, world_size, "1")
+
+
+def _not_a_divisor(key: str, value: int, world_size: int, off: str) -> ValueError:
+    return ValueError(
+        f"zero_optimization.{key}: {value} is not allowed with {world_size} ranks; expected a divisor of the "
+        f"world size {world_size} (or {off}: off)"
+    )
+
+
+def _consecutive(world: Comm, size: int, key: str) -> tuple[list[list[int]], int]:
+    """The groups of ``size`` consecutive ranks of ``world`` and the index of this rank's; ``world`` must be
+    every process (``key`` names the setting that asks for the groups)."""
+    if dist.get_world_size() != world.world_size:
         raise ValueError(
-            f"zero_optimization.zero_hpz_partition_size: {hpz_size} is not allowed with {world_size} ranks; "
-            f"expected a divisor of the world size {world_size} (or 1: off)"
+            f"zero_optimization.{key}: {size} needs the data-parallel group to be every process "
+            f"({dist.get_world_size()}); initialize(group=...) passed a group of {world.world_size}"
         )
+    return [list(range(g, g + size)) for g in range(0, world.world_size, size)], world.rank // size
 
 
 def hpz_group(world: Comm, hpz_size: int) -> Comm | None:
@@ -135,13 +141,8 @@ def hpz_group(world: Comm, hpz_size: int) -> Comm | None:
     size = world.world_size
     if not hpz_on(hpz_size, size):
         return None
-    if dist.get_world_size() != size:
-        raise ValueError(
-            f"zero_optimization.zero_hpz_partition_size: {hpz_size} needs the data-parallel group to be "
-            f"every process ({dist.get_world_size()}); initialize(group=...) passed a group of {size}"
-        )
-    groups = [list(range(g * hpz_size, (g + 1) * hpz_size)) for g in range(size // hpz_size)]
-    return _subgroups(world, groups, world.rank // hpz_size, "hpz")
+    groups, mine = _consecutive(world, hpz_size, "zero_hpz_partition_size")
+    return _subgroups(world, groups, mine, "hpz")
 
 
 def _subgroups(world: Comm, members: list[list[int]], mine: int, label: str) -> Comm:

@@ -25,6 +25,8 @@ DeepSpeed. Both are lossy: a model trains close to, not equal to, the unquantize
   follows from the chunk's size and dtype, the same on every rank. Units that stay gathered (under
   ``stage3_param_persistence_threshold``) are refreshed after the optimizer step by the exact all-gather of
   stages 1-2 (``ShardedStep.gather_params``).
+* Memory: quantizing holds an fp32 copy of what it packs (the shard, or the whole gradient bucket) and its
+  packets, transiently; DeepSpeed's fused kernels do not.
 * The byte counts (comm.py [Note: communication volume]) are the packets', under ``all_gather`` and
   ``reduce_scatter`` as the unquantized collectives, so a stage-3 step's volume is ``3Ψ`` with Ψ the packed
   size for the quantized collectives.

@@ -222,8 +222,7 @@ def _build_sync(
             max_reuse_distance=zero.max_reuse_distance,
             pool=parts.pool,
             reductions=inflight,
-            # Later gathers from hpZ's secondary shards (stage3/secondary.py), first ones in int8 with
-            # zero_quantized_weights (core/quantize.py [Note: quantized collectives]).
+            # Later gathers from hpZ's secondary shards (stage3/secondary.py), first ones in int8 with qwZ.
             source=GatherSource(sharding.gather, sharding.hpz, quantized=zero.zero_quantized_weights),
         )
     reducer = GradientReducer(
@@ -261,8 +260,8 @@ def _assemble_engine(
 ) -> ZeroshardEngine:
     """Wire the units to the reducer, the gatherer and the sharded step, and make the engine over them."""
     reducer, gatherer = _build_sync(model, cfg, plan, sharding, parts)
-    comm = sharding.world
-    trained = TrainedParameters(parts.units, gatherer, comm)
+    comm, shard = sharding.world, sharding.shard
+    trained = TrainedParameters(parts.units, gatherer, comm, shard=shard, optimizer=opt, slices=slices)
     install_state_dict_hooks(model, trained)
     return ZeroshardEngine(
         model,

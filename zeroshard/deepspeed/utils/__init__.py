@@ -14,6 +14,7 @@ from zeroshard.deepspeed.utils.tensor_fragment import (
     safe_get_full_optimizer_state,
     safe_get_local_fp32_param,
     safe_set_full_fp32_param,
+    safe_set_full_grad,
     safe_set_full_optimizer_state,
 )
 from zeroshard.deepspeed.utils.z3_leaf_module import set_z3_leaf_modules
@@ -30,6 +31,7 @@ __all__ = [
     "safe_get_full_optimizer_state",
     "safe_get_local_fp32_param",
     "safe_set_full_fp32_param",
+    "safe_set_full_grad",
     "safe_set_full_optimizer_state",
     "set_z3_leaf_modules",
 ]

@@ -1,12 +1,15 @@
 """DeepSpeed's ``safe_get_full_*`` / ``safe_set_full_*``: one parameter's full value, whatever the stage.
 
-A trained parameter's fp32 value lives in the master shards the optimizer steps, split over the ranks;
-these functions assemble (or write) one parameter's whole value. ``safe_get_full_grad`` assembles the
-gradient the same way (it lives in the engine between ``backward`` and ``step``). Optimizer states are kept
-per shard: reading them through a parameter is not supported, and says so (use ``engine.save_checkpoint``
-/ ``zeroshard.checkpoint``).
+A trained parameter's fp32 value lives in the master shards the optimizer steps, split over the ranks (over
+the shard group with hybrid sharding); these functions assemble (or write) one parameter's whole value.
+``safe_get_full_grad`` / ``safe_set_full_grad`` do the same for the gradient the engine holds between
+``backward`` and ``step``, and ``safe_get_full_optimizer_state`` / ``safe_set_full_optimizer_state`` for one
+optimizer state (``"exp_avg"``, ``"exp_avg_sq"``, ...) of the slices the optimizer steps.
 
-Collective: call on all ranks with the same parameter (the value is gathered from every rank's shard).
+The getters are collective: call on all ranks with the same parameter (the value is gathered from every
+rank's shard). The ``safe_set_full_*`` setters of gradients and optimizer state write this rank's pieces of
+the value it is given and communicate nothing, as DeepSpeed's (give every rank the same value);
+``safe_set_full_fp32_param`` is collective (rank 0's value is kept).
 """
 
 from __future__ import annotations
@@ -17,10 +20,9 @@ import torch
 from torch import nn
 
 from zeroshard.checkpoint.export import gather_param_from_shards
-from zeroshard.core.comm import Comm
 from zeroshard.core.flat_param import FlatUnit
 from zeroshard.deepspeed import surface
-from zeroshard.zero import GatheredParameters, owner_of
+from zeroshard.zero import GatheredParameters, TrainedParameters, owner_of
 
 __all__ = [
     "safe_get_full_fp32_param",
@@ -28,32 +30,27 @@ __all__ = [
     "safe_get_full_optimizer_state",
     "safe_get_local_fp32_param",
     "safe_set_full_fp32_param",
+    "safe_set_full_grad",
     "safe_set_full_optimizer_state",
 ]
 
 
-def _unit_and_index(param: nn.Parameter, what: str) -> tuple[FlatUnit, int, Comm]:
+def _unit_and_index(param: nn.Parameter, what: str) -> tuple[FlatUnit, int, TrainedParameters]:
     owner = owner_of(param)
     if owner is None:
         raise ValueError(
             f"{what}: the parameter (shape {tuple(param.shape)}) is not trained by a zeroshard engine; "
             "pass a parameter of the model given to deepspeed.initialize"
         )
-    unit, _, comm = owner
-    if unit.layout.world_size not in (1, comm.world_size):
-        raise NotImplementedError(
-            f"{what} is not supported with hybrid sharding (zero_optimization.mics_shard_size "
-            f"{unit.layout.world_size} of {comm.world_size} ranks): use engine.full_state_dict() or a "
-            "checkpoint"
-        )
+    unit, _, _, trained = owner
     index = next(i for i, p in enumerate(unit.params) if p is param)
-    return unit, index, comm
+    return unit, index, trained
 
 
 def safe_get_full_fp32_param(param: nn.Parameter) -> torch.Tensor:
     """The parameter's full fp32 (master) value, shaped like the parameter. Collective: all ranks."""
-    unit, index, comm = _unit_and_index(param, "safe_get_full_fp32_param")
-    flat = gather_param_from_shards(comm, unit, index, unit.master, "export")
+    unit, index, trained = _unit_and_index(param, "safe_get_full_fp32_param")
+    flat = gather_param_from_shards(trained.shard, unit, index, unit.master, "export")
     return flat.reshape(unit.shapes[index]).clone()
 
 
@@ -79,14 +76,6 @@ def safe_set_full_fp32_param(param: nn.Parameter, value: torch.Tensor) -> None:
         param.copy_(value.to(device=param.device, dtype=param.dtype))
 
 
-def _refuse(what: str) -> Any:
-    raise NotImplementedError(
-        f"{what} is not supported by zeroshard: optimizer states are kept per shard; read them from a "
-        "checkpoint (engine.save_checkpoint, "
-        "zeroshard.checkpoint.get_fp32_state_dict) instead"
-    )
-
-
 def safe_get_full_grad(param: nn.Parameter) -> torch.Tensor | None:
     """The parameter's whole gradient as the engine holds it between ``backward`` and ``step``.
 
@@ -100,22 +89,98 @@ def safe_get_full_grad(param: nn.Parameter) -> torch.Tensor | None:
     """
     if param.grad is not None:
         return param.grad
-    unit, index, comm = _unit_and_index(param, "safe_get_full_grad")
+    unit, index, trained = _unit_and_index(param, "safe_get_full_grad")
     shape = unit.shapes[index]
-    if unit.grad_full is not None and (unit.layout.world_size == 1 or not unit.grad_reduced):
+    whole = _whole_grad(unit)
+    if whole is not None:
         lo, hi = unit.param_range(index)
-        return unit.grad_full[lo:hi].reshape(shape).clone()
-    return gather_param_from_shards(comm, unit, index, unit.grad_shard, "gradient").reshape(shape)
+        return whole[lo:hi].reshape(shape).clone()
+    return gather_param_from_shards(trained.shard, unit, index, unit.grad_shard, "gradient").reshape(shape)
+
+
+def safe_set_full_grad(param: nn.Parameter, value: torch.Tensor) -> None:
+    """Make ``value`` (the whole gradient, shaped like the parameter) the gradient the engine holds, where
+    :func:`safe_get_full_grad` reads it: ``param.grad`` when set, else this rank's part of the engine's
+    buffer (give every rank the same value). Local."""
+    if param.grad is not None:
+        param.grad.copy_(value)
+        return
+    unit, index, _ = _unit_and_index(param, "safe_set_full_grad")
+    flat = _flat_value(unit, index, value, "safe_set_full_grad")
+    whole = _whole_grad(unit)
+    if whole is not None:
+        lo, hi = unit.param_range(index)
+        whole[lo:hi].copy_(flat)
+        return
+    for piece in unit.layout.pieces(unit.rank):
+        if piece.index == index:
+            span = slice(piece.param_start, piece.param_start + piece.numel)
+            unit.grad_shard[piece.shard_start : piece.shard_start + piece.numel].copy_(flat[span])
+
+
+def _whole_grad(unit: FlatUnit) -> torch.Tensor | None:
+    """The unit's gradient where this rank holds it whole (unsharded, or not reduced yet), else None."""
+    if unit.grad_full is not None and (unit.layout.world_size == 1 or not unit.grad_reduced):
+        return unit.grad_full
+    return None
+
+
+def _flat_value(unit: FlatUnit, index: int, value: torch.Tensor, what: str) -> torch.Tensor:
+    if tuple(value.shape) != tuple(unit.shapes[index]):
+        raise ValueError(
+            f"{what}({unit.names[index]}): value has shape {tuple(value.shape)}, the parameter "
+            f"{tuple(unit.shapes[index])}"
+        )
+    return value.detach().reshape(-1)
+
+
+def _states(trained: TrainedParameters, unit: FlatUnit, index: int, key: str, what: str) -> list[Any]:
+    """This rank's pieces of the parameter with their ``key`` state tensors (1-D, like the pieces)."""
+    name = f"{what}({unit.names[index]}, {key!r})"
+    opt = trained.optimizer
+    if opt is None:
+        raise ValueError(f"{name}: the engine has no optimizer")
+    if not opt.state:
+        raise ValueError(f"{name}: the optimizer has no state yet (it is created by the first step)")
+    # Decided from the optimizer's state as a whole, the same on every rank (a rank holding no piece of this
+    # parameter must refuse too, or the others would wait for it in the gather).
+    some = next(iter(opt.state.values()))
+    keys = sorted(k for k, v in some.items() if isinstance(v, torch.Tensor) and v.dim() > 0)
+    if key not in keys:
+        raise ValueError(f"{name}: no such per-element state; this optimizer keeps {keys}")
+    if not some[key].numel():
+        raise ValueError(
+            f"{name}: the optimizer state is not in memory (offload_optimizer nvme keeps it in files)"
+        )
+    return [(sl, opt.state[sl.master][key]) for sl in trained.slices.get(id(unit.params[index]), [])]
 
 
 def safe_get_full_optimizer_state(param: nn.Parameter, optim_state_key: str) -> torch.Tensor | None:
-    """Not supported (see the module docstring): raises ``NotImplementedError`` naming it."""
-    return _refuse("safe_get_full_optimizer_state")  # type: ignore[no-any-return]
+    """The parameter's whole optimizer state ``optim_state_key`` (e.g. ``"exp_avg"``), shaped like the
+    parameter, in the state's dtype. Collective: all ranks.
+
+    Raises:
+        ValueError: no optimizer, no state before the first step, or a key the optimizer does not keep per
+            element (naming the keys it does).
+    """
+    unit, index, trained = _unit_and_index(param, "safe_get_full_optimizer_state")
+    pieces = _states(trained, unit, index, optim_state_key, "safe_get_full_optimizer_state")
+    dtype = pieces[0][1].dtype if pieces else torch.float32
+    shard = torch.zeros(unit.layout.shard_size, dtype=dtype, device=unit.master.device)
+    for sl, tensor in pieces:
+        shard[sl.piece.shard_start : sl.piece.shard_start + sl.piece.numel].copy_(tensor.reshape(-1))
+    flat = gather_param_from_shards(trained.shard, unit, index, shard, "optimizer state")
+    return flat.reshape(unit.shapes[index]).clone()
 
 
 def safe_set_full_optimizer_state(param: nn.Parameter, value: torch.Tensor, optim_state_key: str) -> None:
-    """Not supported (see the module docstring): raises ``NotImplementedError`` naming it."""
-    _refuse("safe_set_full_optimizer_state")
+    """Write ``value`` (shaped like the parameter) into this rank's pieces of the optimizer state
+    ``optim_state_key``; give every rank the same value. Local."""
+    unit, index, trained = _unit_and_index(param, "safe_set_full_optimizer_state")
+    flat = _flat_value(unit, index, value, "safe_set_full_optimizer_state")
+    for sl, tensor in _states(trained, unit, index, optim_state_key, "safe_set_full_optimizer_state"):
+        start = sl.piece.param_start
+        tensor.copy_(flat[start : start + sl.piece.numel].reshape(tensor.shape))
 
 
 __getattr__ = surface.fallback(__name__)  # the DeepSpeed names not written here
