@@ -66,6 +66,17 @@ def test_estimate_prints_the_zero_papers_numbers(capsys: pytest.CaptureFixture[s
     assert "--largest-layer" in out  # stage 3's gathered layer is not counted without it
 
 
+def test_estimate_with_hybrid_sharding_and_hpz(capsys: pytest.CaptureFixture[str]) -> None:
+    """16 GPUs on 2 nodes: MiCS over a node is the 8-GPU estimate; hpZ adds 1/8 of the 16-bit parameters."""
+    base = ["estimate", "--params", "7e9", "--gpus-per-node", "8", "--nodes", "2"]
+    for extra, stage3 in ((["--mics-shard-size", "8"], "14"), (["--hpz-partition-size", "8"], "8.75")):
+        status, out, _ = run([*base, *extra], capsys)
+        rows = {tuple(line.split()[:2]): line.split() for line in out.splitlines() if line[:1].isdigit()}
+        assert status == 0 and rows[("3", "none")][5] == stage3, out
+    status, _, err = run([*base, "--mics-shard-size", "3"], capsys)
+    assert status == 1 and "mics_shard_size: 3 is not allowed with 16 ranks" in err
+
+
 def test_estimate_from_a_hugging_face_config_with_a_plot(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -163,6 +163,8 @@ def _run(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             largest_layer=largest,
             offload=args.offload,
+            mics_shard_size=args.mics_shard_size,
+            hpz_partition_size=args.hpz_partition_size,
         )
         if args.json:
             rows: list[dict[str, Any]] = [{**asdict(r), "per_gpu": r.per_gpu} for r in estimate.rows]
@@ -211,6 +213,22 @@ def register(subparsers: Any) -> None:
         choices=list(OFFLOAD_OPTIONS),
         default=None,
         help="offload options to show (default: all)",
+    )
+    parser.add_argument(
+        "--mics-shard-size",
+        type=int,
+        default=-1,
+        metavar="S",
+        help="hybrid sharding (zero_optimization.mics_shard_size): the state sharded over S ranks "
+        "(default -1: off)",
+    )
+    parser.add_argument(
+        "--hpz-partition-size",
+        type=int,
+        default=1,
+        metavar="H",
+        help="ZeRO++ hpZ (zero_optimization.zero_hpz_partition_size): stage 3's secondary shards over H "
+        "ranks (default 1: off)",
     )
     parser.add_argument(
         "--plot", metavar="PNG", default=None, help="also save a bar chart (needs matplotlib)"
