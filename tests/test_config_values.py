@@ -199,7 +199,7 @@ def test_bools_accept_zero_and_one() -> None:
         ),
         (
             {"zero_optimization": {"stage": 3}, "gradient_allreduce_op": "sum"},
-            'gradient_allreduce_op: "sum" is not allowed at zero_optimization.stage 3',
+            'gradient_allreduce_op: "sum" is not supported with ZeRO stage 3 (zero_optimization.stage 3)',
         ),
         (
             {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "max_grad_norm": 1.0}}},

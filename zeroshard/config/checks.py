@@ -115,12 +115,13 @@ def _allreduce_op(cfg: ZeroshardConfig, problems: Problems) -> None:
         return
     if cfg.zero_optimization.stage == 3:
         problems.add(
-            'gradient_allreduce_op: "sum" is not allowed at zero_optimization.stage 3; expected "mean"'
+            'gradient_allreduce_op: "sum" is not supported with ZeRO stage 3 (zero_optimization.stage 3); '
+            'expected "mean"'
         )
     if cfg.zero_optimization.zenflow is not None:
-        problems.add('gradient_allreduce_op: "sum" is not allowed with zero_optimization.zenflow')
+        problems.add('gradient_allreduce_op: "sum" is not supported with ZenFlow (zero_optimization.zenflow)')
     if cfg.compile.get("deepcompile"):
-        problems.add('gradient_allreduce_op: "sum" is not allowed with compile.deepcompile')
+        problems.add('gradient_allreduce_op: "sum" is not supported with DeepCompile (compile.deepcompile)')
 
 
 def _compute_dtype(cfg: ZeroshardConfig) -> str:

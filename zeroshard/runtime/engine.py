@@ -195,8 +195,8 @@ class ZeroshardEngine(EngineMeasurements, DeepSpeedQueries, CheckpointMethods):
     def _step(self, lr_kwargs: dict[str, Any] | None) -> None:
         if self._no_sync:
             raise UsageError(
-                "step() was called inside engine.no_sync(): leave the block first (the boundary "
-                "micro-batch's backward, outside it, reduces the gradients the step applies)"
+                "It is illegal to call Engine.step() inside no_sync context manager: leave the block first "
+                "(the boundary micro-batch's backward, outside it, reduces the gradients the step applies)"
             )
         if not self._backward_since_step:
             self._take_plain_gradients()  # loss.backward() instead of engine.backward(loss)
@@ -366,12 +366,12 @@ class ZeroshardEngine(EngineMeasurements, DeepSpeedQueries, CheckpointMethods):
         """
         if not self.plan.allows_no_sync:
             raise UsageError(
-                f"no_sync() is not possible at ZeRO stage {self.plan.stage}: gradients are reduce-scattered "
-                "during every backward so that only a shard is kept; use stage 0 or 1, or rely on "
-                "gradient_accumulation_steps"
+                f"no_sync context manager is incompatible with ZeRO stage {self.plan.stage}: gradients are "
+                "reduce-scattered during every backward so that only a shard is kept; use stage 0 or 1, or "
+                "rely on gradient_accumulation_steps"
             )
         if self._no_sync:
-            raise UsageError("no_sync() was entered again inside no_sync(): use one block per window")
+            raise UsageError("no_sync context manager reentry is unsupported: use one block per window")
         self._no_sync = True
         try:
             yield
