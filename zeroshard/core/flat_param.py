@@ -181,10 +181,11 @@ class FlatUnit:
         # From pinned CPU memory (ZeRO-Offload masters) the cast runs on the GPU after an async DMA; the
         # optimizer step waits for the stream before it writes the masters again (ShardedStep._step_grads).
         shard = source.to(device=self.device, dtype=self.policy.compute, non_blocking=self.host_to_device)
-        gather = quantized_all_gather if quantized else Comm.all_gather
-        self._gathering = gather(
-            comm, self.full, shard, what=f"parameter all_gather of unit {self.index} ({self.names[0]}, ...)"
-        )
+        what = f"parameter all_gather of unit {self.index} ({self.names[0]}, ...)"
+        if quantized:
+            self._gathering = quantized_all_gather(comm, self.full, shard, what=what)
+        else:
+            self._gathering = comm.all_gather(self.full, shard, what=what)
 
     def finish_gather(self) -> None:
         """Wait for a launched gather and point the parameters at the full buffer."""
