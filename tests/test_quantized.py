@@ -3,8 +3,8 @@
 
 The format's error bound and its non-finite values; at W=4 the two collectives against a reference computed
 from every rank's input, their bytes, and training at stage 3: lossy (close to, never equal to, the
-unquantized run), the same parameters on every rank, hpZ on top bit-identical to qwZ alone, and fp16
-overflow still detected through int8 gradients.
+unquantized run), the same parameters on every rank, inside MiCS's shard groups too, hpZ on top
+bit-identical to qwZ alone, and fp16 overflow still detected through int8 gradients.
 """
 
 from __future__ import annotations
@@ -166,6 +166,14 @@ def _training(rank: int, world: int) -> list[str]:
             got = both["bytes"][op] / plain["bytes"][op]
             if not ratio[0] < got < ratio[1]:
                 problems.append(f"{precision}: {op} bytes {got:.3f} of the plain run's, expected {ratio}")
+    # Hybrid sharding (MiCS 2 of 4): the quantized collectives run inside the shard groups.
+    plain = _train(rank, {}, mics_shard_size=2)
+    both = _train(rank, {}, mics_shard_size=2, zero_quantized_weights=True, zero_quantized_gradients=True)
+    fractions = [both["bytes"][op] / plain["bytes"][op] for op in ("all_gather", "reduce_scatter")]
+    if not 0 < _distance(both["final"], plain["final"]) < 0.15 or not all(0.25 < f < 0.3 for f in fractions):
+        problems.append(f"MiCS: {_distance(both['final'], plain['final']):.2e} apart, bytes {fractions}")
+    if not both["same_on_every_rank"]:
+        problems.append("MiCS: the ranks computed with different parameters")
     # hpZ's secondary shards hold the dequantized forward gather: the backward computes with the same values.
     for reentrant in (None, False):
         case = {"reentrant": reentrant}
