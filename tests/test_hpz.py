@@ -9,7 +9,6 @@ memory, and a checkpoint round trip. The bytes by group and across nodes are in 
 
 from __future__ import annotations
 
-import copy
 import os
 from typing import Any
 from unittest import mock
@@ -22,6 +21,7 @@ from torch.utils.checkpoint import checkpoint
 import zeroshard
 from tests.distributed import run_distributed
 from tests.models import batch, make_model
+from tests.test_hybrid import initialize_with
 from tests.test_parity import RTOL, _cases, run_case
 from zeroshard.config import ConfigError, ConfigWarning, load_config
 from zeroshard.core.hybrid import check_hpz_size
@@ -33,20 +33,8 @@ pytestmark = pytest.mark.timeout(900)
 WORLD, HPZ = 4, 2
 
 
-def _initialize_with(hpz: int) -> Any:
-    """``zeroshard.initialize`` with ``zero_optimization.zero_hpz_partition_size`` set in its config."""
-    real = zeroshard.initialize
-
-    def initialize(*args: Any, config: dict[str, Any], **kwargs: Any) -> Any:
-        config = copy.deepcopy(config)
-        config.setdefault("zero_optimization", {})["zero_hpz_partition_size"] = hpz
-        return real(*args, config=config, **kwargs)
-
-    return initialize
-
-
 def parity_worker(rank: int, world_size: int, cases: list[dict[str, Any]]) -> list[float]:
-    with mock.patch.object(zeroshard, "initialize", _initialize_with(HPZ)):
+    with mock.patch.object(zeroshard, "initialize", initialize_with("zero_hpz_partition_size", HPZ)):
         return [run_case(rank, world_size, **case) for case in cases]
 
 

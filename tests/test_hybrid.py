@@ -28,13 +28,13 @@ from zeroshard.estimate import estimate_memory
 pytestmark = pytest.mark.timeout(900)
 
 
-def _initialize_with(shard_size: int) -> Any:
-    """``zeroshard.initialize`` with ``zero_optimization.mics_shard_size`` set in the config it is given."""
+def initialize_with(key: str, value: int) -> Any:
+    """``zeroshard.initialize`` with ``zero_optimization.<key>`` set to ``value`` in the config given."""
     real = zeroshard.initialize
 
     def initialize(*args: Any, config: dict[str, Any], **kwargs: Any) -> Any:
         config = copy.deepcopy(config)
-        config.setdefault("zero_optimization", {})["mics_shard_size"] = shard_size
+        config.setdefault("zero_optimization", {})[key] = value
         return real(*args, config=config, **kwargs)
 
     return initialize
@@ -43,7 +43,7 @@ def _initialize_with(shard_size: int) -> Any:
 def parity_worker(rank: int, world_size: int, cases: list[tuple[int, dict[str, Any]]]) -> list[float]:
     out = []
     for shard_size, case in cases:
-        with mock.patch.object(zeroshard, "initialize", _initialize_with(shard_size)):
+        with mock.patch.object(zeroshard, "initialize", initialize_with("mics_shard_size", shard_size)):
             out.append(run_case(rank, world_size, **case))
     return out
 

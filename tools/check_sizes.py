@@ -50,9 +50,10 @@ GROWTH = 0.10
 ALLOWED: dict[str, int] = {
     # --- modules (limit 400) ---
     # The one module that calls torch.distributed (STYLE: all collectives in one module): the Comm class,
-    # one method per collective, the direct exchanges and the byte counts by group and across nodes.
-    # Moving the exchanges out would put point-to-point calls in a second module.
-    "zeroshard.core.comm": 427,
+    # one method per collective (all_to_all joined for ZeRO++'s int8 gradients), the direct exchanges and
+    # the byte counts by group and across nodes. Moving the exchanges or the control collectives (agree,
+    # any_true, all_gather_object) out would put torch.distributed calls in a second module.
+    "zeroshard.core.comm": 470,
     # QUERIES is a ~190-line table of data (one line per DeepSpeed query); the table could move to a module.
     # Mirrors deepspeed.runtime.utils one to one so that ported imports resolve; DeepSpeed's is one module.
     "zeroshard.deepspeed.runtime.utils": 411,

@@ -104,7 +104,7 @@ class Comm:
         # gloo: all-gathers and reduce-scatters as point-to-point exchanges, see [Note: direct exchange].
         self.direct = not nccl and self.world_size > 1
         self._exchanges = 0  # exchanges issued on this group: the same count on every rank
-        self.nodes: tuple[int, ...] = (0,) * self.world_size  # the node of each group rank
+        self.nodes = (0,) * self.world_size  # the node of each group rank (sets the remote-peer count)
         # What the liveness records name this group by (the same on every rank) and its global ranks.
         self.key = ""
         self.ranks: tuple[int, ...] = (0,)
@@ -115,6 +115,16 @@ class Comm:
             self.ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
             if not nccl:
                 self.breaker = lambda peer: break_wait(self.group, peer, self.ranks)
+
+    @property
+    def nodes(self) -> tuple[int, ...]:
+        """The node of each rank of the group; setting it counts the peers on other nodes once."""
+        return self._nodes
+
+    @nodes.setter
+    def nodes(self, nodes: tuple[int, ...]) -> None:
+        self._nodes = nodes
+        self._remote_peers = direct_cross_bytes(1, self.rank, nodes)  # per byte sent to every peer
 
     def new_channel(self, label: str = "gather") -> Comm:
         """A second group over the same ranks, sharing this one's byte counts (counted under ``label``).
@@ -217,7 +227,7 @@ class Comm:
             return DONE
         n, rank = sent.numel() // self.world_size, self.rank
         nbytes = sent.numel() * sent.element_size()
-        cross = direct_cross_bytes(n * sent.element_size(), rank, self.nodes)  # one message per peer
+        cross = n * sent.element_size() * self._remote_peers  # one message per peer
         received[rank * n : (rank + 1) * n].copy_(sent[rank * n : (rank + 1) * n])
         if self.direct:
             return self._exchange(
@@ -241,7 +251,7 @@ class Comm:
         own = full[rank * n : (rank + 1) * n]
         if own.data_ptr() != shard.data_ptr():
             own.copy_(shard)
-        cross = direct_cross_bytes(n * shard.element_size(), rank, self.nodes)
+        cross = n * shard.element_size() * self._remote_peers
         return self._exchange(
             lambda dst: shard, lambda src: full[src * n : (src + 1) * n], what, "all_gather", nbytes, cross
         )
@@ -265,7 +275,7 @@ class Comm:
             for r in range(2, world):
                 output.add_(chunks[r])
 
-        cross = direct_cross_bytes(n * full.element_size(), rank, self.nodes)
+        cross = n * full.element_size() * self._remote_peers
         return self._exchange(
             lambda dst: full[dst * n : (dst + 1) * n],
             chunks.__getitem__,
