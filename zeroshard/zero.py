@@ -137,7 +137,9 @@ class GatheredParameters:
             raise
         for param in self._partitioned:
             shape, shard, comm = partition_entry(param) or _missing(param)
-            param.data = full_value(shape, shard, comm, shard.device)
+            # A shard in CPU memory (remote_device="cpu") is gathered where the group communicates.
+            device = comm.device if shard.device.type == "cpu" else shard.device
+            param.data = full_value(shape, shard, comm, device)
         set_available(self._partitioned, True)
         by_gatherer: dict[int, tuple[ParameterGatherer, list[FlatUnit]]] = {}
         for unit, gatherer, _, _ in self._owned:
@@ -222,6 +224,10 @@ class Init:
     With ``module`` (DeepSpeed's ``zero.Init(module=model)``) the parameters of an already built model are
     partitioned at once, its own included; the context need not be entered then.
 
+    With ``remote_device="cpu"`` the shards live in CPU memory wherever the model is built (a model built on
+    the GPU then never stays there whole); a gather brings a parameter to the group's device. Train such a
+    model with ``offload_param: {"device": "cpu"}`` to keep its shards in CPU memory afterwards.
+
     Collective in effect: every rank must build the same model. ``config`` and the other DeepSpeed keyword
     arguments are accepted for compatibility; ``enabled=False`` builds the model normally.
     """
@@ -278,6 +284,8 @@ class Init:
         # Building a model that will train with NVMe offload: keep the allocator from hoarding the full
         # submodules built here (see offload/malloc.py).
         self._offloading = remote_device == "nvme" or _offloads_to_nvme(config_dict_or_path or config)
+        # remote_device="cpu": the shards live in CPU memory, wherever the model is built (DeepSpeed's Init).
+        self._shard_device = torch.device("cpu") if remote_device == "cpu" else None
         if module is not None and enabled:
             for param in module.parameters():
                 if partition_entry(param) is None and param.requires_grad:
@@ -338,7 +346,7 @@ class Init:
         if self.dtype is not None and param.is_floating_point():
             param.data = param.data.to(self.dtype)
         layout = FlatLayout.for_shapes([param.numel()], self.comm.world_size)
-        shard = torch.zeros(layout.shard_size, dtype=param.dtype, device=param.device)
+        shard = torch.zeros(layout.shard_size, dtype=param.dtype, device=self._shard_device or param.device)
         shape = param.shape
         self.partitioned[param] = (shape, shard, self.comm)
         track(self.partitioned)

@@ -120,10 +120,10 @@ class FlatUnit:
         else:
             self.grad_full = torch.zeros(self.layout.padded, dtype=policy.accumulate, device=device)
             self._grad_shard = self.grad_full[lo:hi]
+        self.grad_version = 0  # bumped by every gradient write: host_step.py [Note: overlapped offload step]
         # Which parameters received a gradient since the last zero_grad (on this rank).
         self.has_grad = torch.zeros(len(self.params), dtype=torch.bool)
-        # Whether the gradient shard holds values reduced across ranks (set by the reducer): always once a
-        # backward ran where gradients are sharded; at stages 0-1 from the boundary's reduction on.
+        # Whether the gradient shard holds reduced values (set by the reducer; stages 0-1: at the boundary).
         self.grad_reduced = False
 
     def _gather_own_pieces(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -326,6 +326,7 @@ class FlatUnit:
     def add_reduced_grad(self, reduced: torch.Tensor, factor: float) -> None:
         """Add ``factor`` times ``reduced`` (this rank's part of a reduction) into the gradient shard; the
         first since :meth:`zero_grad` becomes the shard (the same values: there was nothing to add to)."""
+        self.grad_version += 1
         if self._grad_shard is None:
             shard = self._new_grad_shard()
             shard.copy_(reduced).mul_(factor)
@@ -333,7 +334,13 @@ class FlatUnit:
         else:
             self._grad_shard.add_(reduced.to(self._grad_dtype), alpha=factor)
 
+    def grad_written(self) -> None:
+        """Say that the gradient shard was written in place (any write not through :meth:`add_reduced_grad`
+        or :meth:`zero_grad` must)."""
+        self.grad_version += 1
+
     def zero_grad(self) -> None:
+        self.grad_version += 1
         if self.keeps_full_grad:
             self.kept_grad().zero_()
         else:

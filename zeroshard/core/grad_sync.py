@@ -63,25 +63,13 @@ from zeroshard.core.hybrid import all_reduce_grad_shards
 from zeroshard.core.inflight import MAX_INFLIGHT, InFlight
 from zeroshard.core.layout import GroupLayout
 from zeroshard.core.quantize import reduce_scatter_for
-from zeroshard.core.reduction_groups import Averaging, ReductionGroup, group_units
+from zeroshard.core.reduction_groups import Averaging, ReductionGroup, group_units, reentrant_reuse_error
 from zeroshard.core.stage3.coupling import ParameterSide
 from zeroshard.core.stages import StagePlan
 
 # Units smaller than this share a reduction group up to this many elements (4 MiB of fp32 gradients),
 # within reduce_bucket_size: each reduce-scatter's fixed cost is paid once for many small modules.
 SMALL_BUCKET_ELEMENTS = 1 << 20
-
-
-def reentrant_reuse_error(rank: int, unit: FlatUnit, what: str) -> RuntimeError:
-    """The error of [Note: repeated gradients]; ``what`` says what happened to ``unit`` too late."""
-    return RuntimeError(
-        f"rank {rank}: {what} after the gradients of unit {unit.index} ({', '.join(unit.names)}) had "
-        "gone to their reduction in this backward: the module ran in more than one reentrant "
-        "activation-checkpointing region (torch.utils.checkpoint(use_reentrant=True) or "
-        "deepspeed.checkpointing.checkpoint), or inside one and outside it, and each region's backward "
-        "delivers a gradient of its own. Use use_reentrant=False (non-reentrant checkpointing gives each "
-        "parameter one gradient per backward), or checkpoint every use of the shared module in one region"
-    )
 
 
 class GradientReducer:
@@ -97,6 +85,10 @@ class GradientReducer:
 
     Collective: :meth:`finish_backward` must be called on all ranks.
     """
+
+    on_final_grads: Callable[[FlatUnit], None] | None = None
+    """Told each unit whose gradient shard holds its final value for the coming step, as soon as its
+    reduction is done (offload/host_step.py [Note: overlapped offload step])."""
 
     def __init__(
         self,
@@ -223,6 +215,7 @@ class GradientReducer:
                 unit.grad_full[:lo].zero_()
                 unit.grad_full[hi:].zero_()
                 unit.grad_shard.mul_(undo)
+                unit.grad_written()
                 unit.grad_reduced = False
         self._window_reduced = False
 
@@ -233,6 +226,7 @@ class GradientReducer:
         for unit in self.units:
             if unit.grad_reduced:
                 unit.grad_shard.div_(replicas)
+                unit.grad_written()
         self._replicated = False
 
     def _accumulate(self, unit: FlatUnit, i: int, grad: torch.Tensor, adoptable: bool = False) -> None:
@@ -250,6 +244,7 @@ class GradientReducer:
         if unit.keeps_full_grad:
             lo, hi = unit.param_range(i)
             unit.kept_grad()[lo:hi].add_(grad.reshape(-1))
+            unit.grad_written()
         elif self._buckets.write(self.groups[g], unit, i, grad, adoptable=adoptable, repeat=repeat):
             self._track_bucket_bytes()
         unit.has_grad[i] = True
@@ -334,12 +329,15 @@ class GradientReducer:
                     kept.copy_(full)
                 kept.mul_(after)
                 for unit in group.units:
+                    unit.grad_written()
                     unit.grad_reduced = True
 
         else:
             out = self.pool.take(group.layout.chunk, reduce_dtype, full.device)
             pending = self._reduce_scatter(out, full, what=what)
             accumulate = not group.keeps_full  # sharded gradients sum over micro-steps
+            # The boundary's reductions write each unit's final gradient shard (no replica all-reduce after).
+            final = self.on_final_grads if self._boundary and self.replica is None else None
             pooled = None if group.keeps_full or adopted else full
             placed = list(zip(group.units, group.layout.offsets, strict=True))
 
@@ -354,7 +352,10 @@ class GradientReducer:
                         unit.add_reduced_grad(out.narrow(0, offset, n), after)
                     else:
                         unit.grad_shard.copy_(out.narrow(0, offset, n)).mul_(after)
+                        unit.grad_written()
                     unit.grad_reduced = True
+                    if final is not None:
+                        final(unit)
                 self.pool.give(out)
                 if pooled is not None:
                     self.pool.give(pooled)

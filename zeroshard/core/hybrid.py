@@ -176,5 +176,6 @@ def all_reduce_grad_shards(units: Sequence[FlatUnit], replica: Comm, max_element
             offset = 0
             for unit in batch:
                 unit.grad_shard.copy_(buf[offset : offset + unit.layout.shard_size])
+                unit.grad_written()
                 unit.grad_reduced = True
                 offset += unit.layout.shard_size

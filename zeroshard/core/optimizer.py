@@ -40,10 +40,11 @@ from zeroshard.core.stages import StagePlan
 
 
 class OffloadedStep(Protocol):
-    """Steps the optimizer over masters and state that live outside memory (``offload_optimizer`` nvme).
+    """Steps the optimizer over masters and state that live outside device memory, one sub-group at a
+    time, and writes the stepped masters into the parameters (``FlatUnit.master_to_full``) as it goes.
 
-    ``offload.swapper.OptimizerStateSwapper`` is the one implementation; this step only hands it the
-    gradients.
+    ``offload.swapper.OptimizerStateSwapper`` (``offload_optimizer`` nvme) and ``offload.host_step.HostStep``
+    (``offload_optimizer`` cpu beside a GPU) implement it; this step only hands them the gradients.
     """
 
     def step(self, grads: dict[int, torch.Tensor | None], factor: float = 1.0) -> None:
@@ -146,10 +147,8 @@ class ShardedStep:
     The overflow check and the gradient norm read the reduced shards where they are (device and dtype);
     the unscale/clip factor is only recorded (:meth:`scale_grads`). :meth:`run` then gives the optimizer
     fp32 gradients on the master's device with the factor applied: a transient fp32 copy where a shard is
-    16-bit, a pinned host copy where the master lives in CPU memory beside a GPU (ZeRO-Offload: cast on
-    the GPU, copied asynchronously, one wait), or, with the optimizer offloaded to NVMe, per sub-group
-    inside the swapper so that no fp32 copy of every gradient ever exists. The values are the same on
-    every path.
+    16-bit, or per sub-group inside an offloaded step (``OffloadedStep``: masters in CPU memory beside a
+    GPU, or on NVMe). The values are the same on every path.
 
     Collective: :meth:`checks` (the overflow flag, the gradient norm and which parameters got a gradient,
     fused into one all-reduce) and :meth:`gather_params` must be called on all ranks.
@@ -182,7 +181,7 @@ class ShardedStep:
         self._grads: dict[int, torch.Tensor] = {}
         self._slice_grads: dict[int, torch.Tensor | None] = {}
         self._factor = 1.0  # pending gradient scale: unscale and clip, applied by run()
-        self._host_grads: dict[int, torch.Tensor] = {}  # pinned fp32 staging for masters in CPU memory
+        self._masters_written = False  # run() by an offloaded step, which wrote the parameters itself
         # Where each unit's parameters start in the flat has_grad flags (units in order, one flag each).
         self._first_flag: dict[int, int] = {}
         offset = 0
@@ -220,6 +219,7 @@ class ShardedStep:
         try:
             if self.swapper is not None:
                 self.swapper.step(self._slice_grads, self._factor)
+                self._masters_written = True
                 return
             step_grads = self._step_grads()
             for sl in self.slices:
@@ -233,21 +233,8 @@ class ShardedStep:
     def _step_grads(self) -> dict[int, torch.Tensor]:
         """Each unit's gradient shard in its master's dtype and on its device, times the pending factor."""
         out: dict[int, torch.Tensor] = {}
-        waits: set[torch.device] = set()
         for unit in self.units:
-            grad, master = unit.grad_shard, unit.master
-            if grad.device.type == "cuda" and master.device.type == "cpu":
-                host = self._host_grads.get(unit.index)
-                if host is None:
-                    host = torch.empty(grad.numel(), dtype=master.dtype, pin_memory=True)
-                    self._host_grads[unit.index] = host
-                host.copy_(grad, non_blocking=True)  # cast on the GPU, then one DMA into pinned memory
-                waits.add(grad.device)
-                out[unit.index] = host
-            else:
-                out[unit.index] = grad.to(device=master.device, dtype=master.dtype)
-        for device in waits:
-            torch.cuda.current_stream(device).synchronize()  # also orders earlier copies from the masters
+            out[unit.index] = unit.grad_shard.to(device=unit.master.device, dtype=unit.master.dtype)
         if self._factor != 1.0:
             for grad in out.values():
                 grad.mul_(self._factor)
@@ -338,13 +325,15 @@ class ShardedStep:
         """Copy stepped masters into the full parameters; all-gather them where shards differ per rank.
 
         At most ``allgather_bucket_size`` elements are in flight at once. Units whose parameters are sharded
-        between uses (stage 3) are left alone: their next gather reads the master.
+        between uses (stage 3) are left alone: their next gather reads the parameter shard. After an
+        offloaded step the parameters already hold the stepped values.
         """
+        if not self._masters_written:
+            for unit in self.units:
+                unit.master_to_full()
+        self._masters_written = False
         for unit in self.units:
-            unit.master_to_full()
-        on_host = [u for u in self.units if u.device.type == "cuda" and u.master.device.type == "cpu"]
-        for device in {u.device for u in on_host}:
-            torch.cuda.current_stream(device).synchronize()  # the masters may change once this returns
+            unit.store.flush()
         inflight: list[Pending] = []
         elements = 0
         for unit in self.units:

@@ -1,5 +1,6 @@
 """What the gradient reducer reduces together, and how it averages: the reduction groups of
-[Note: gradient flow] (``grad_sync.py``) and DeepSpeed's averaging factors, as data."""
+[Note: gradient flow] (``grad_sync.py``) and DeepSpeed's averaging factors, as data; and the error of
+[Note: repeated gradients]."""
 
 from __future__ import annotations
 
@@ -64,3 +65,15 @@ def group_units(order: Sequence[FlatUnit], bucket_elements: int) -> list[list[Fl
             split = split_into_units([u.layout.padded for u in run], bucket_elements)
             groups += [[run[i] for i in indices] for indices in split]
     return groups
+
+
+def reentrant_reuse_error(rank: int, unit: FlatUnit, what: str) -> RuntimeError:
+    """The error of [Note: repeated gradients]; ``what`` says what happened to ``unit`` too late."""
+    return RuntimeError(
+        f"rank {rank}: {what} after the gradients of unit {unit.index} ({', '.join(unit.names)}) had "
+        "gone to their reduction in this backward: the module ran in more than one reentrant "
+        "activation-checkpointing region (torch.utils.checkpoint(use_reentrant=True) or "
+        "deepspeed.checkpointing.checkpoint), or inside one and outside it, and each region's backward "
+        "delivers a gradient of its own. Use use_reentrant=False (non-reentrant checkpointing gives each "
+        "parameter one gradient per backward), or checkpoint every use of the shared module in one region"
+    )

@@ -8,8 +8,9 @@ parameter values changed by hand to take into the master (:meth:`ShardStore.full
 tensors the optimizer steps. :class:`InMemoryShards`, the default, keeps them in the unit's own buffers:
 the master, or this rank's slice of the full buffer. The offload stores (``zeroshard/offload/unit_store.py``)
 keep the master in an NVMe file between steps and, with ``offload_param``, the parameter shard as well; the
-offload set-up hands one to a unit as it is built. With ``master_device`` (CPU offload beside a GPU) the
-master lives in CPU memory and the step runs there.
+offload set-up hands one to a unit as it is built. Beside a GPU, ``zeroshard/offload/host_shards.py`` keeps
+the master, and with ``offload_param`` the parameter shard, in CPU memory ([Note: offload beside a
+device]).
 
 A store reads its unit through :class:`UnitBuffers`, the few buffers it needs, so this module does not
 import the unit's class (``flat_param.FlatUnit``, which imports this one).
@@ -89,6 +90,12 @@ class ShardStore(Protocol[UnitT]):
         accounting)."""
         ...
 
+    def flush(self) -> None:
+        """Make the writes of :meth:`master_to_full` visible to the computation (a store that copies them
+        to the device asynchronously waits for the copies here); the step calls it before the parameters
+        are used again."""
+        ...
+
 
 class InMemoryShards:
     """The default store: the master and the parameters live in the unit's own buffers."""
@@ -121,4 +128,7 @@ class InMemoryShards:
         return unit.master[start : start + numel]
 
     def held_param_shard(self) -> torch.Tensor | None:
+        return None
+
+    def flush(self) -> None:
         return None

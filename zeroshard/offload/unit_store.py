@@ -111,3 +111,6 @@ class OffloadedMaster:
 
     def held_param_shard(self) -> torch.Tensor | None:
         return self._param_shard
+
+    def flush(self) -> None:
+        return None

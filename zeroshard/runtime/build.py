@@ -277,7 +277,7 @@ def _assemble_engine(
             sharding.shard,
             plan,
             allgather_bucket_size=cfg.zero_optimization.allgather_bucket_size,
-            swapper=parts.offload.optimizer_swapper,
+            swapper=parts.offload.step_over(slices, opt, reducer),
             replica=sharding.replica,
         ),
         offload=parts.offload,

@@ -102,9 +102,8 @@ class ZeroshardEngine(EngineMeasurements, DeepSpeedQueries, CheckpointMethods):
         self._check_overflow = loss_scaler is not None or (
             policy is not None and policy.compute == torch.bfloat16 and config.bf16.check_grad_overflow
         )
-        # fp32: a non-finite gradient norm skips the step too, as DeepSpeed's ZeRO optimizer does; bf16
-        # without check_grad_overflow steps anyway, as DeepSpeed's does (nonfinite.py [Note: non-finite
-        # gradients]).
+        # fp32: a non-finite gradient norm skips the step too, as DeepSpeed's ZeRO optimizer; bf16 without
+        # check_grad_overflow steps anyway, as DeepSpeed's does (nonfinite.py [Note: non-finite gradients]).
         self._skip_nonfinite_norm = policy is None or policy.compute == torch.float32
         self._cast_inputs = torch.float16 if config.fp16.enabled and config.fp16.auto_cast else None
         self.global_rank = comm.rank
@@ -204,6 +203,7 @@ class ZeroshardEngine(EngineMeasurements, DeepSpeedQueries, CheckpointMethods):
             lr = self.get_lr()  # the rate this step applies: the scheduler moves it inside the step
             with self.telemetry.timer("step"):
                 self._take_model_step(lr_kwargs)
+            self.telemetry.add_times(self.step_breakdown())  # offload's phases, with wall_clock_breakdown
             self._report_step(lr)
         self.micro_steps += 1
         self._backward_since_step = False

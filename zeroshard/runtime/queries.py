@@ -50,6 +50,15 @@ class DeepSpeedQueries(DeepSpeedMethods):
             "when it builds the engine; set communication_data_type in the ds_config instead"
         )
 
+    def step_breakdown(self) -> dict[str, float]:
+        """Where the last optimizer step's time went with the optimizer in CPU memory beside a GPU, in
+        seconds ([Note: overlapped offload step]): ``grad_copy_wait_s`` (waiting for gradient shards to reach
+        the CPU), ``cpu_step_s`` (the optimizer on the CPU, with the casts of the stepped values),
+        ``param_copy_wait_s`` (the end of the step's copies back). Empty without such an offload.
+        With ``wall_clock_breakdown`` they are added to the timers the log line prints."""
+        host_step = self.offload.host_step
+        return dict(host_step.timings) if host_step is not None else {}
+
     def mics_shard_size(self) -> int:
         """DeepSpeed's ``engine.mics_shard_size()``: the config's ``zero_optimization.mics_shard_size``
         (-1: off; core/hybrid.py [Note: hybrid sharding])."""

@@ -161,6 +161,12 @@ class Telemetry:
         context manager when `wall_clock_breakdown` is off."""
         return self._timers.timer(name)
 
+    def add_times(self, seconds: dict[str, float]) -> None:
+        """Adds durations measured elsewhere (one each), e.g. the phases of an offloaded step; nothing when
+        `wall_clock_breakdown` is off."""
+        for name, value in seconds.items():
+            self._timers.add(name, value)
+
     def reduce_timer(self) -> AbstractContextManager[None]:
         """Adds to the "reduce" timer the time this rank is blocked on gradient reductions inside the block.
 

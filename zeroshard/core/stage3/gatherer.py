@@ -65,8 +65,8 @@ from torch.utils.hooks import RemovableHandle
 from zeroshard.core.buffers import BufferPool
 from zeroshard.core.comm import Comm
 from zeroshard.core.flat_param import FlatUnit, unique_units
-from zeroshard.core.grad_sync import reentrant_reuse_error
 from zeroshard.core.inflight import InFlight
+from zeroshard.core.reduction_groups import reentrant_reuse_error
 from zeroshard.core.stage3.external_access import ExternalParameterSearch
 from zeroshard.core.stage3.gather_check import GatherChecks
 from zeroshard.core.stage3.hook_tools import eager, hook_outputs

@@ -107,6 +107,7 @@ def safe_set_full_grad(param: nn.Parameter, value: torch.Tensor) -> None:
         return
     unit, index, _ = _unit_and_index(param, "safe_set_full_grad")
     flat = _flat_value(unit, index, value, "safe_set_full_grad")
+    unit.grad_written()
     whole = _whole_grad(unit)
     if whole is not None:
         lo, hi = unit.param_range(index)
