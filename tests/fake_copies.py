@@ -51,6 +51,9 @@ class DeferredCopies:
         self.started += 1
         return _Deferred(self, dst, src)
 
+    def take_times(self) -> dict[str, float]:
+        return {}
+
 
 def simulate_offload_device(
     monkeypatch: pytest.MonkeyPatch | None = None, read_source: str = "wait"

@@ -100,9 +100,15 @@ def run_case(rank: int, case: dict[str, Any]) -> None:
             x, y = batch(step, micro, rank, rare_at=rare_at)
             for engine in (ref, eng):
                 engine.backward(engine(x, y))
+                if case.get("twice"):  # a second loss at the boundary (a GAN's): adds to moved shards
+                    engine.backward(engine(*batch(step, micro + 7, rank)))
             if micro == gas - 1 and case.get("opt_cpu", True):
-                # The gradient shards started their copies to the CPU during the backward.
+                # The gradient shards started their copies to the CPU during the backward and, at stages
+                # 2-3, live there now.
                 assert copies.started > 0, case
+                homes = eng.offload.host_step._host_grads
+                moved = [u.peek_grad_shard() is homes.get(u.index) for u in eng.units if u.holds_grad_shard]
+                assert moved and all(moved) == (case["stage"] >= 2), (case, moved)
             if case.get("set_grad") and micro == gas - 1:
                 # A gradient written by hand between backward and step reaches the offloaded step.
                 for m in (ref_model, model):
@@ -142,6 +148,8 @@ def _cases() -> list[dict[str, Any]]:
         {"stage": 2, "precision": "fp32", "opt": "SGD", "gas": 2},
         {"stage": 2, "opt": "client", "sub_group_size": 40},
         {"stage": 2, "set_grad": True, "clip": 0.05},
+        {"stage": 2, "twice": True, "clip": 0.05},
+        {"stage": 3, "twice": True, "param_cpu": True},
         {"stage": 3, "clip": 0.05},
         {"stage": 3, "opt_cpu": False, "param_cpu": True, "gas": 2},
         {"stage": 3, "param_cpu": True, "sub_group_size": 40, "clip": 1.0},

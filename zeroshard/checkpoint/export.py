@@ -155,7 +155,8 @@ def gather_param_from_shards(
         r: (max(offset, r * size), min(offset + numel, (r + 1) * size)) for r in layout.owner_ranks(index)
     }
     chunk = max((hi - lo for lo, hi in spans.values()), default=0)
-    mine = torch.zeros(chunk, dtype=shard.dtype, device=shard.device)
+    # On the group's device: a shard in CPU memory beside a GPU (offload) is gathered over NCCL there.
+    mine = torch.zeros(chunk, dtype=shard.dtype, device=comm.device)
     if unit.rank in spans:
         lo, hi = spans[unit.rank]
         mine[: hi - lo].copy_(shard[lo - unit.rank * size : hi - unit.rank * size])

@@ -11,6 +11,10 @@ waited for, nothing may read its destination or write its source:
 * :meth:`Copy.wait_on_device`: the compute stream waits (kernels queued afterwards read the destination);
   the host does not, so the source stays busy until :meth:`Copy.wait`.
 
+A device tensor a copy reads or writes may be dropped as soon as the copy has started: its memory is not
+handed out again until the copy is done (``record_stream``). So a gradient shard moved to the CPU, or a
+cast made for a copy, leaves GPU memory without a host wait.
+
 :class:`StreamCopies` (CUDA) runs the copies on one side stream per device, concurrently with the kernels
 and collectives of the compute stream, ordered by events. :class:`InlineCopies` copies at once, for a
 device that is host memory itself. Tests use an implementation that copies only when a copy is waited for
@@ -47,6 +51,11 @@ class Copies(Protocol):
         have the same number of elements and the same dtype; a host tensor should be pinned."""
         ...
 
+    def take_times(self) -> dict[str, float]:
+        """Seconds the copies finished since the last call spent copying, by direction (``d2h_s``,
+        ``h2d_s``); empty where copies are not timed."""
+        ...
+
 
 class _Done:
     def wait(self) -> None:
@@ -63,12 +72,15 @@ class InlineCopies:
         dst.copy_(src)
         return _Done()
 
+    def take_times(self) -> dict[str, float]:
+        return {}
+
 
 class _StreamCopy:
     def __init__(self, event: torch.cuda.Event, device: torch.device, tensors: tuple[torch.Tensor, ...]):
         self._event = event
         self._device = device
-        self._tensors: tuple[torch.Tensor, ...] = tensors  # alive until the host knows the copy is done
+        self._tensors: tuple[torch.Tensor, ...] = tensors  # host tensors, alive until the host waits
 
     def wait(self) -> None:
         self._event.synchronize()
@@ -84,19 +96,42 @@ class StreamCopies:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.stream = torch.cuda.Stream(device)
+        self._timed: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []  # direction, start, end
+        self._times = {"d2h_s": 0.0, "h2d_s": 0.0}  # of the finished copies no take_times has reported
 
     def start(self, dst: torch.Tensor, src: torch.Tensor) -> Copy:
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        begin = torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self.stream):
+            begin.record(self.stream)
             dst.copy_(src, non_blocking=True)
         for t in (dst, src):
             if t.is_cuda:
                 # The caching allocator must not hand this memory to the compute stream while the copy
                 # still reads or writes it.
                 t.record_stream(self.stream)
-        event = torch.cuda.Event()
+        event = torch.cuda.Event(enable_timing=True)
         event.record(self.stream)
-        return _StreamCopy(event, self.device, (dst, src))
+        self._timed.append(("h2d_s" if dst.is_cuda else "d2h_s", begin, event))
+        if len(self._timed) >= 256:
+            self._collect()  # hold events of copies in flight only
+        # Host tensors stay referenced until the host waits; device memory is safe through record_stream
+        # and goes as soon as the caller drops it (a gradient shard that moved to the CPU, a cast).
+        return _StreamCopy(event, self.device, tuple(t for t in (dst, src) if not t.is_cuda))
+
+    def _collect(self) -> None:
+        pending = []
+        for direction, begin, end in self._timed:
+            if end.query():
+                self._times[direction] += begin.elapsed_time(end) / 1e3
+            else:
+                pending.append((direction, begin, end))
+        self._timed = pending
+
+    def take_times(self) -> dict[str, float]:
+        self._collect()
+        out, self._times = self._times, {"d2h_s": 0.0, "h2d_s": 0.0}
+        return out
 
 
 def copies_between_host_and(device: torch.device) -> Copies:

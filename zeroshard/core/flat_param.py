@@ -18,7 +18,9 @@ parameter's ``.grad`` (FSDP2 does the same). So the forward, and the backward un
 arrive, run without the 4N/W bytes (fp32) of gradient shards: at the forward's end, where activations
 peak, the model state is the parameters and the optimizer state only. Reading ``grad_shard`` when there is
 none gives a zero shard (nothing was reduced); ``bytes_held`` counts the shard at its size either way, as
-it is part of the model state at the step.
+it is part of the model state at the step. With the optimizer in CPU memory beside a GPU the boundary's
+shard moves to pinned CPU memory as soon as its reduction is done (:meth:`FlatUnit.move_grad_shard`,
+``offload/host_step.py`` [Note: overlapped offload step]).
 
 At stage 0 the shard world is 1: a rank's "shard" is the whole unit, which is how stage 0 steps everything
 without a code path of its own.
@@ -38,6 +40,7 @@ from torch import nn
 
 from zeroshard.core.buffers import BufferPool
 from zeroshard.core.comm import Comm, Pending
+from zeroshard.core.copies import Copy
 from zeroshard.core.layout import FlatLayout, Piece
 from zeroshard.core.precision import DtypePolicy
 from zeroshard.core.quantize import quantized_all_gather
@@ -64,6 +67,8 @@ class FlatUnit:
     Invariants: each ``params[i]`` is a view of ``full[offsets[i] : offsets[i] + numel]``; ``master`` has
     ``layout.shard_size`` elements; the padding of ``full``, ``master`` and the gradient buffers stays zero.
     """
+
+    _grad_landing: Copy | None = None  # the copy bringing a moved gradient shard in: move_grad_shard
 
     def __init__(
         self,
@@ -311,10 +316,27 @@ class FlatUnit:
     def grad_shard(self) -> torch.Tensor:
         """This rank's gradient shard, in the accumulation dtype: zero where nothing was reduced since the
         last :meth:`zero_grad` ([Note: gradient shards on demand])."""
+        if self._grad_landing is not None:
+            self._grad_landing.wait()
+            self._grad_landing = None
+        return self.peek_grad_shard()
+
+    def peek_grad_shard(self) -> torch.Tensor:
+        """:attr:`grad_shard` without waiting for a copy bringing it in (:meth:`move_grad_shard`): for views
+        whose values are read only after :attr:`grad_shard` was read."""
         if self._grad_shard is None:
             self._grad_shard = self._new_grad_shard()
             self._grad_shard.zero_()
         return self._grad_shard
+
+    def move_grad_shard(self, home: torch.Tensor, landing: Copy) -> None:
+        """The gradient shard lives in ``home`` from now on (CPU memory beside a GPU), where ``landing``
+        copies it: :attr:`grad_shard` waits for that copy, and the old tensor is dropped (its memory is
+        reused only once the copy has read it: core/copies.py [Note: copy streams]). Stages 2-3 only."""
+        if self.keeps_full_grad:
+            raise RuntimeError(f"rank {self.rank}: unit {self.index} keeps its full gradient; it cannot move")
+        self._grad_shard = home
+        self._grad_landing = landing
 
     @property
     def holds_grad_shard(self) -> bool:
@@ -331,8 +353,9 @@ class FlatUnit:
             shard = self._new_grad_shard()
             shard.copy_(reduced).mul_(factor)
             self._grad_shard = shard
-        else:
-            self._grad_shard.add_(reduced.to(self._grad_dtype), alpha=factor)
+        else:  # the shard may have moved to CPU memory (move_grad_shard): add there
+            shard = self.grad_shard
+            shard.add_(reduced.to(device=shard.device, dtype=self._grad_dtype), alpha=factor)
 
     def grad_written(self) -> None:
         """Say that the gradient shard was written in place (any write not through :meth:`add_reduced_grad`
@@ -345,6 +368,7 @@ class FlatUnit:
             self.kept_grad().zero_()
         else:
             self._grad_shard = None  # [Note: gradient shards on demand]
+            self._grad_landing = None
         self.has_grad.zero_()
         self.grad_reduced = False
 

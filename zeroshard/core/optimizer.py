@@ -52,6 +52,11 @@ class OffloadedStep(Protocol):
         each gradient multiplied by ``factor`` (unscale and clip) as its slice is stepped."""
         ...
 
+    def grad_partials(self, unit: FlatUnit) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The fp32 norms of ``unit``'s optimizer pieces (slice order, empty pieces left out) and whether its
+        gradient shard is finite, taken earlier and still current; None to read the shard instead."""
+        ...
+
 
 def normalize_param_groups(model: nn.Module, params: Iterable[Any] | None) -> list[dict[str, Any]]:
     """Turn ``model_parameters`` (params, named params or group dicts) into group dicts of the model's params.
@@ -184,15 +189,27 @@ class ShardedStep:
         self._masters_written = False  # run() by an offloaded step, which wrote the parameters itself
         # Where each unit's parameters start in the flat has_grad flags (units in order, one flag each).
         self._first_flag: dict[int, int] = {}
+        self._unit_slices: dict[int, list[OptimizerSlice]] = {}
+        for sl in self.slices:
+            self._unit_slices.setdefault(sl.unit.index, []).append(sl)
         offset = 0
         for unit in self.units:
             self._first_flag[unit.index] = offset
             offset += len(unit.params)
 
     def prepare(self) -> None:
-        """Take each unit's reduced gradient shard, as it is, for the checks, the norm and the step."""
+        """Take each unit's reduced gradient shard, as it is, for the checks, the norm and the step (one
+        still being copied to CPU memory is waited for only where its values are read: :meth:`_landed`)."""
         self._factor = 1.0
-        self._grads = {u.index: u.grad_shard for u in self.units}
+        self._grads = {u.index: u.peek_grad_shard() for u in self.units}
+
+    def _landed(self, unit: FlatUnit) -> torch.Tensor:
+        """``unit``'s gradient shard as :meth:`prepare` took it, once a copy bringing it in has landed."""
+        unit.grad_shard  # noqa: B018  (waits for a copy bringing the shard in: FlatUnit.move_grad_shard)
+        return self._grads[unit.index]
+
+    def _partials(self, unit: FlatUnit) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return None if self.swapper is None else self.swapper.grad_partials(unit)
 
     def release(self) -> None:
         for sl in self.slices:
@@ -254,7 +271,7 @@ class ShardedStep:
         nonfinite = torch.zeros((), dtype=torch.float64, device=device)
         if check_overflow:
             # One flag per unit, combined where the gradients are: one host sync in all, not one per unit.
-            flags = [torch.isfinite(g).all().to(device) for g in self._grads.values()]
+            flags = [self._finite(u).to(device) for u in self.units]
             if flags:
                 nonfinite = (~torch.stack(flags).all()).to(torch.float64)
         # Sharded stages sum the squared norms of their shards; at stage 0 every rank holds the whole
@@ -277,8 +294,14 @@ class ShardedStep:
             has_grad=summed[2:] > 0,
         )
 
+    def _finite(self, unit: FlatUnit) -> torch.Tensor:
+        partial = self._partials(unit)
+        return partial[1] if partial is not None else torch.isfinite(self._landed(unit)).all()
+
     def nonfinite_names(self) -> list[str]:
         """Names of this rank's parameters whose gradient pieces are not finite."""
+        for unit in self.units:
+            self._landed(unit)
         pieces = zip(self.slices, self._piece_grads(), strict=True)
         return [sl.unit.names[sl.piece.index] for sl, g in pieces if not bool(torch.isfinite(g).all())]
 
@@ -292,11 +315,17 @@ class ShardedStep:
         """The squared L2 norm of this rank's reduced gradient pieces, as a float64 scalar tensor."""
         # One fp32 norm per parameter piece, as torch.nn.utils.clip_grad_norm_ takes one per parameter (no
         # fp64 copy of the gradients). Not one per unit: torch's CPU fp32 norm loses accuracy with length
-        # (2 % off over 1.7e8 elements, 1e-5 over 1e6), so a whole-unit norm would clip differently.
-        norms = [torch.linalg.vector_norm(g, dtype=torch.float32) for g in self._piece_grads() if g.numel()]
-        if not norms:
+        # (2 % off over 1.7e8 elements, 1e-5 over 1e6), so a whole-unit norm would clip differently. An
+        # offloaded step may have taken a unit's norms already, where its shard was (the same values).
+        parts = []
+        for unit in self.units:
+            partial = self._partials(unit)
+            slices = self._unit_slices.get(unit.index, ())
+            norms = partial[0] if partial is not None else piece_norms(self._landed(unit), slices)
+            parts.append(norms.to(self.comm.device))
+        if not parts:
             return torch.zeros((), dtype=torch.float64)
-        return torch.stack(norms).double().pow(2).sum()
+        return torch.cat(parts).double().pow(2).sum()
 
     def _fp32_norm(self) -> torch.Tensor:
         """The global L2 norm as DeepSpeed's stage 0 computes it in fp32 ([Note: DeepSpeed's fp32 clipping]):
@@ -348,6 +377,19 @@ class ShardedStep:
             elements += unit.layout.padded
         for pending in inflight:
             pending.wait()
+
+
+def piece_norms(grad: torch.Tensor, slices: Iterable[OptimizerSlice]) -> torch.Tensor:
+    """The fp32 norm of each slice's piece of ``grad`` (its unit's gradient shard), in order, empty pieces
+    left out: a 1-D tensor where ``grad`` lives (the terms of ``ShardedStep``'s gradient norm)."""
+    norms = [
+        torch.linalg.vector_norm(
+            grad[sl.piece.shard_start : sl.piece.shard_start + sl.piece.numel], dtype=torch.float32
+        )
+        for sl in slices
+        if sl.piece.numel
+    ]
+    return torch.stack(norms) if norms else torch.zeros(0, dtype=torch.float32, device=grad.device)
 
 
 def clip_coefficient(grad_norm: float, clip: float) -> float:

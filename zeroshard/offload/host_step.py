@@ -5,11 +5,16 @@ the CPU steps the next sub-group.
 With the masters in CPU memory ([Note: offload beside a device]) one step is:
 
 1. During the backward of an accumulation boundary, as each reduction writes a unit's final gradient
-   shard, the reducer calls :meth:`HostStep.grads_ready` and the shard starts its copy into a pinned CPU
-   buffer of the unit's ([Note: copy streams]), beside the backward's remaining kernels.
-2. The overflow check and the global norm read the gradient shards where they are, on the GPU, as
-   without offload (``ShardedStep.checks``); so clipping and the loss scale need no second pass over the
-   CPU copies, and their values are the same.
+   shard, the reducer calls :meth:`HostStep.grads_ready`: on the GPU it takes the fp32 norm of each of the
+   unit's parameter pieces and whether the shard is finite (a few small kernels), then starts the shard's
+   copy into a pinned CPU buffer ([Note: copy streams]), beside the backward's remaining kernels. At
+   stages 2-3 the shard then lives in that buffer (``FlatUnit.move_grad_shard``): its GPU memory goes as
+   soon as the copy has read it, so the gradients of the whole model never sit on the GPU together.
+2. The overflow check and the global norm combine those partial results (``ShardedStep.checks``, through
+   :meth:`HostStep.grad_partials`): the same per-piece norms, in the same order, as without offload, so
+   clipping and the loss scale see the same values and need no pass over the CPU copies. A shard changed
+   after its partials were taken (a second backward before the step, a gradient set by hand) is read
+   again where it lives.
 3. :meth:`HostStep.step` steps the masters one sub-group at a time (at most ``STEP_ELEMENTS`` elements at
    piece boundaries, [Note: sub-group stepping]): wait for that unit's gradient copy, apply the
    unscale/clip factor, step, and hand the stepped values to the unit's store, which casts them and starts
@@ -35,8 +40,9 @@ import torch
 
 from zeroshard.core.copies import Copies, Copy
 from zeroshard.core.flat_param import FlatUnit, OptimizerSlice
+from zeroshard.core.optimizer import piece_norms
 from zeroshard.offload.host_shards import host_empty
-from zeroshard.offload.swapper import SubGroup, split_sub_groups
+from zeroshard.offload.swapper import SubGroup, attach_slices, split_sub_groups
 
 STEP_ELEMENTS = 1 << 25
 """Master elements stepped per sub-group (128 MiB of fp32 masters): the copy of one sub-group's stepped
@@ -68,6 +74,8 @@ class HostStep:
         self.optimizer: torch.optim.Optimizer | None = None
         self._host_grads: dict[int, torch.Tensor] = {}  # per unit: its gradient shard's pinned copy
         self._copying: dict[int, tuple[int, Copy]] = {}  # per unit: the version its copy holds, the copy
+        self._partials: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}  # version, norms, finite
+        self._unit_slices: dict[int, list[OptimizerSlice]] = {}
         self.timings: dict[str, float] = {}
 
     def adopt(self, unit: FlatUnit) -> None:
@@ -77,28 +85,53 @@ class HostStep:
     def bind(self, slices: Sequence[OptimizerSlice], optimizer: torch.optim.Optimizer) -> None:
         """Attach the optimizer's slices to their sub-groups (slices of parameters in no group stay out)."""
         self.optimizer = optimizer
-        by_piece = {(sl.unit.index, sl.piece.index): sl for sl in slices}
-        for g in self.groups:
-            keys = [(g.unit.index, piece.index) for piece in g.pieces]
-            g.slices = [by_piece[k] for k in keys if k in by_piece]
+        for sl in slices:
+            self._unit_slices.setdefault(sl.unit.index, []).append(sl)
+        attach_slices(self.groups, slices)
 
     # -- the backward --------------------------------------------------------------------------------
     def grads_ready(self, unit: FlatUnit) -> None:
-        """``unit``'s gradient shard holds this step's values (as of now): start its copy to the CPU."""
-        grad = unit.grad_shard
+        """``unit``'s gradient shard holds this step's values (as of now): take the partial norms and the
+        overflow flag the step's checks need, and start its copy to the CPU; at stages 2-3 the shard moves
+        there (``FlatUnit.move_grad_shard``) and its GPU memory goes."""
+        grad = unit.peek_grad_shard()
         host = self._host_grads.get(unit.index)
-        if host is None or host.dtype != grad.dtype:
+        if grad is host:  # moved already, and added to since (a second backward before the step)
+            self._partials[unit.index] = (unit.grad_version, *self._partials_of(unit, unit.grad_shard))
+            return
+        self._partials[unit.index] = (unit.grad_version, *self._partials_of(unit, grad))
+        if host is None or host.dtype != grad.dtype or host.numel() != grad.numel():
             host = self._host_grads[unit.index] = host_empty(grad.numel(), grad.dtype, self.pin)
         previous = self._copying.pop(unit.index, None)
         if previous is not None:
             previous[1].wait()  # its destination is written again now
-        self._copying[unit.index] = (unit.grad_version, self.copies.start(host, grad))
+        copy = self.copies.start(host, grad)
+        self._copying[unit.index] = (unit.grad_version, copy)
+        if not unit.keeps_full_grad:
+            unit.move_grad_shard(host, copy)
+
+    def _partials_of(self, unit: FlatUnit, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fp32 norm of each of ``unit``'s optimizer pieces in ``grad`` (in slice order, empty pieces
+        left out, as ``ShardedStep`` takes them) and whether ``grad`` is finite, where ``grad`` lives."""
+        return piece_norms(grad, self._unit_slices.get(unit.index, ())), torch.isfinite(grad).all()
+
+    def grad_partials(self, unit: FlatUnit) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The partial norms and finite flag :meth:`grads_ready` took of ``unit``'s gradient shard, if the
+        shard has not changed since."""
+        taken = self._partials.get(unit.index)
+        if taken is None or taken[0] != unit.grad_version:
+            return None
+        return taken[1], taken[2]
 
     def _host_grad(self, unit: FlatUnit) -> torch.Tensor:
-        """``unit``'s gradient shard on the CPU, as it is now (copied again if it changed since)."""
-        copying = self._copying.get(unit.index)
-        if copying is None or copying[0] != unit.grad_version:
-            self.grads_ready(unit)
+        """``unit``'s gradient shard on the CPU, as it is now (copied again if it changed since a copy that
+        did not move it)."""
+        if unit.peek_grad_shard() is not self._host_grads.get(unit.index):
+            copying = self._copying.get(unit.index)
+            if copying is None or copying[0] != unit.grad_version:
+                self.grads_ready(unit)
+        if unit.peek_grad_shard() is self._host_grads.get(unit.index):
+            return unit.grad_shard  # the shard lives there: waits for it to land
         self._copying[unit.index][1].wait()
         return self._host_grads[unit.index]
 
@@ -140,11 +173,12 @@ class HostStep:
         for _, copy in self._copying.values():  # the CPU copies were scaled in place: forget them all
             copy.wait()
         self._copying.clear()
+        self._partials.clear()
         start = time.perf_counter()
         for unit in self.units:
             unit.store.flush()
         timings["param_copy_wait_s"] = time.perf_counter() - start
-        self.timings = timings
+        self.timings = {**timings, **self.copies.take_times()}
 
     @staticmethod
     def _step(opt: torch.optim.Optimizer, groups: list[SubGroup]) -> None:

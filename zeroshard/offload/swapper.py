@@ -86,6 +86,15 @@ def split_sub_groups(unit: FlatUnit, sub_group_size: int, first_index: int) -> l
     return groups
 
 
+def attach_slices(groups: Sequence[SubGroup], slices: Sequence[OptimizerSlice]) -> None:
+    """Give each sub-group the optimizer's slices of its pieces (slices of parameters in no optimizer
+    group stay out)."""
+    by_piece = {(sl.unit.index, sl.piece.index): sl for sl in slices}
+    for g in groups:
+        keys = [(g.unit.index, piece.index) for piece in g.pieces]
+        g.slices = [by_piece[k] for k in keys if k in by_piece]
+
+
 def _group(index: int, unit: FlatUnit, pieces: list[Piece], start: int, numel: int) -> SubGroup:
     return SubGroup(index, unit, list(pieces), start, numel, offload_master=unit.separate_master)
 
@@ -135,10 +144,7 @@ class OptimizerStateSwapper:
     def bind(self, slices: Sequence[OptimizerSlice], optimizer: torch.optim.Optimizer) -> None:
         """Attach the optimizer's slices to their sub-groups (slices of parameters in no group stay out)."""
         self.optimizer = optimizer
-        by_piece = {(sl.unit.index, sl.piece.index): sl for sl in slices}
-        for g in self.groups:
-            keys = [(g.unit.index, piece.index) for piece in g.pieces]
-            g.slices = [by_piece[k] for k in keys if k in by_piece]
+        attach_slices(self.groups, slices)
 
     # -- one optimizer step ----------------------------------------------------------------------------
     def step(self, grads: dict[int, torch.Tensor | None], factor: float = 1.0) -> None:
@@ -179,6 +185,10 @@ class OptimizerStateSwapper:
         for g in work:  # every stale unit's sub-groups were in the work list
             self._refreshed(g.unit)
         release_free_memory()
+
+    def grad_partials(self, unit: FlatUnit) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """None: the step's checks read the gradient shards in memory (``OffloadedStep``)."""
+        return None
 
     @contextlib.contextmanager
     def resident(self, write_back: bool) -> Iterator[None]:

@@ -54,7 +54,9 @@ class DeepSpeedQueries(DeepSpeedMethods):
         """Where the last optimizer step's time went with the optimizer in CPU memory beside a GPU, in
         seconds ([Note: overlapped offload step]): ``grad_copy_wait_s`` (waiting for gradient shards to reach
         the CPU), ``cpu_step_s`` (the optimizer on the CPU, with the casts of the stepped values),
-        ``param_copy_wait_s`` (the end of the step's copies back). Empty without such an offload.
+        ``param_copy_wait_s`` (the end of the step's copies back); on a GPU also ``d2h_s`` and ``h2d_s``, the
+        time the side stream spent copying (beside the computation) since the step before. Empty without
+        such an offload.
         With ``wall_clock_breakdown`` they are added to the timers the log line prints."""
         host_step = self.offload.host_step
         return dict(host_step.timings) if host_step is not None else {}
