@@ -38,6 +38,7 @@ help:
 	@echo "make test          pytest, with the 15 slowest tests' durations"
 	@echo "make test-unit     the same without tests marked integration (external libraries, launchers, scripts)"
 	@echo "make test-cuda     tests/test_cuda.py on a machine with a CUDA GPU (the CUDA paths)"
+	@echo "make bench-gpu     on one GPU in under 8 minutes: tests/test_cuda.py, bench/gpu.py, bench/gpu_largest.py"
 	@echo "make lint          ruff check + ruff format --check + mypy zeroshard + tools/check_sizes.py (size budget)"
 	@echo "make deepspeed-inventory / deepspeed-surface   reread DeepSpeed's public names; rewrite docs/deepspeed-surface.md"
 	@echo "make benchmarks-page   rewrite docs/benchmarks.md's tables from bench/results/*.json (runs no benchmark)"
@@ -97,6 +98,14 @@ test-unit: $(STAMP)
 .PHONY: test-cuda
 test-cuda: $(STAMP)
 	$(PY) -m pytest -s tests/test_cuda.py
+
+# One GPU, one go, in under 8 minutes: tests/test_cuda.py, bench/gpu.py's rows, bench/gpu_largest.py (what each
+# stage does and how long it may take: bench/gpu_check.sh). Installs nothing (a GPU machine has no network: carry
+# the wheels tools/gpu_wheels.sh makes), hence no $(STAMP).
+BENCH_GPU_OUT ?= bench/results
+.PHONY: bench-gpu
+bench-gpu:
+	bash bench/gpu_check.sh $(BENCH_GPU_OUT)
 
 # DeepSpeed's public surface ([Note: generated surface] in zeroshard/deepspeed/surface.py). For a new DeepSpeed
 # release: pin it in pyproject.toml's dev extra, `make install`, then `make deepspeed-inventory

@@ -240,3 +240,36 @@ def test_multinode_quick(tmp_path: Path) -> None:
     assert mics["cross_node_bytes_per_step"] < rows["zeroshard-stage3"]["cross_node_bytes_per_step"]
     names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert "zs_node" not in names, names
+
+
+@pytest.mark.integration
+def test_gpu_scripts_run_their_cpu_check(tmp_path: Path) -> None:
+    """bench/gpu.py and bench/gpu_largest.py run only on a lent GPU machine, in one try: ``--device cpu
+    --quick`` takes every path of both on a CPU (the figures mean nothing), so a script that would fail there
+    fails here first."""
+    rows = tmp_path / "rows.json"
+    largest = tmp_path / "largest.json"
+    for script, out, extra in (
+        ("gpu.py", rows, ["--rows", "zero2_offload,zero3_offload_param,zero3_offload_all"]),
+        ("gpu_largest.py", largest, ["--budget-s", "40"]),
+    ):
+        proc = subprocess.run(
+            [
+                sys.executable,
+                str(ROOT / "bench" / script),
+                "--quick",
+                "--device",
+                "cpu",
+                "--out",
+                str(out),
+                *extra,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    done = {r["row"]: r for r in json.loads(rows.read_text())["results"]}
+    assert sorted(done) == ["zero2_offload", "zero3_offload_all", "zero3_offload_param"], done
+    assert all("error" not in r and r["median_s"] > 0 for r in done.values()), done
+    assert json.loads(largest.read_text())

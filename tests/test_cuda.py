@@ -13,11 +13,17 @@ process at world size 1 (NCCL needs one GPU per rank) runs every sub-case. The s
   master can flip the rounding of its bf16 copy, so the mixed-precision tolerance below.
 * bf16 and fp16 at every stage against the same recipe by hand (fp32 masters, 16-bit compute), with the
   tolerance of tests/test_mixed_precision.py (3% of the reference's movement plus 1% of lr per step).
+* ZeRO-Infinity's parameter offload (``offload_param.device: cpu``, stage 3, bf16), with and without the
+  optimizer offloaded too, against the same run with the parameters in GPU memory (the mixed-precision
+  tolerance); between steps every stage-3 unit's 16-bit shard is in pinned CPU memory and no GPU memory holds
+  it; ``zero.Init(remote_device="cpu", config_dict_or_path=...)`` builds the model with its partitions in CPU
+  memory, ``initialize`` never has it whole on the GPU, and it trains to the same result.
 """
 
 from __future__ import annotations
 
 import copy
+import gc
 import tempfile
 from typing import Any
 
@@ -35,22 +41,22 @@ VOCAB, WIDTH, STEPS, LR = 50, 64, 3, 1e-2
 
 
 class Block(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, width: int = WIDTH) -> None:
         super().__init__()
-        self.norm = nn.LayerNorm(WIDTH)
-        self.up = nn.Linear(WIDTH, 4 * WIDTH)
-        self.down = nn.Linear(4 * WIDTH, WIDTH)
+        self.norm = nn.LayerNorm(width)
+        self.up = nn.Linear(width, 4 * width)
+        self.down = nn.Linear(4 * width, width)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return h + self.down(F.gelu(self.up(self.norm(h))))
 
 
 class TinyLM(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, width: int = WIDTH, depth: int = 3) -> None:
         super().__init__()
-        self.emb = nn.Embedding(VOCAB, WIDTH)
-        self.blocks = nn.ModuleList(Block() for _ in range(3))
-        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
+        self.emb = nn.Embedding(VOCAB, width)
+        self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
+        self.head = nn.Linear(width, VOCAB, bias=False)
         self.head.weight = self.emb.weight  # tied
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -156,6 +162,171 @@ def _moved_bound(got: dict, want: dict, init: dict, step_count: int, what: str) 
         assert err <= 0.03 * moved + 0.01 * LR * step_count, f"{what}: {name} differs by {err:.3g}"
 
 
+def _gpu_state_bytes(engine: Any) -> int:
+    """Bytes of the engine's model state in GPU memory: full buffers, masters, gradients, optimizer state
+    (each storage once)."""
+    tensors = [t for u in engine.units for t in (u.full, u.master, u.grad_full) if t is not None]
+    tensors += [u.grad_shard for u in engine.units if u.holds_grad_shard]
+    tensors += [v for s in engine.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t.is_cuda}
+    return sum(storages.values())
+
+
+# -- ZeRO-Infinity's parameter offload beside a GPU ------------------------------------------------------
+
+WIDE = {"width": 512, "depth": 8}  # 16.8M parameters: 34 MB in bf16, each unit (one module) at most 2 MB
+
+
+def _on_cpu() -> dict[str, Any]:
+    return {"device": "cpu", "pin_memory": True}
+
+
+def _wide_model() -> TinyLM:
+    torch.manual_seed(0)
+    return TinyLM(**WIDE)
+
+
+def _sharded_units(engine: Any) -> list[Any]:
+    """The stage-3 units whose parameters are sharded between uses (not the persistent small ones)."""
+    units = [u for u in engine.units if u.plan.shard_parameters]
+    assert units, "no stage-3 unit shards its parameters"
+    return units
+
+
+def _assert_parameters_on_cpu(engine: Any, what: str) -> None:
+    """Between steps: each sharded unit's parameters are empty placeholders and the parameter shard its store
+    keeps is 16-bit and in pinned CPU memory (``held_param_shard``: ``unit.param_shard`` would start the copy
+    a gather needs)."""
+    for unit in _sharded_units(engine):
+        assert unit.full.numel() == 0, f"{what}: unit {unit.names} is still gathered between steps"
+        assert all(p.numel() == 0 for p in unit.params), f"{what}: {unit.names} are not placeholders"
+        shard = unit.store.held_param_shard()
+        where = None if shard is None else (shard.device.type, shard.is_pinned(), shard.dtype)
+        assert where == ("cpu", True, torch.bfloat16), f"{what}: {unit.names} parameter shard: {where}"
+
+
+def _parameter_residue(engine: Any, base: int) -> tuple[int, int]:
+    """GPU bytes held between steps that are none of the model state the config leaves on the GPU (masters,
+    optimizer state, gradients, persistent units), and the bytes of the 16-bit parameter shards: with the
+    parameters offloaded the first must be a small fraction of the second. ``base``: ``memory_allocated``
+    before the model existed."""
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated() - base
+    shards = sum(u.layout.shard_size for u in _sharded_units(engine)) * torch.bfloat16.itemsize
+    return held - _gpu_state_bytes(engine), shards
+
+
+def offload_param_worker(rank: int, world_size: int) -> tuple[dict[str, float], list[str]]:
+    """The sub-cases of ``offload_param.device: cpu``; returns the figures and every failed check (all of them
+    run: one GPU run shows every problem)."""
+    report: dict[str, float] = {}
+    failures: list[str] = []
+    init = {n: p.detach().float().reshape(-1) for n, p in _model().named_parameters()}
+
+    # Parity with the parameters in GPU memory: offload_param alone (masters and Adam state stay on the GPU,
+    # the step writes the 16-bit values into the pinned shard), with the optimizer offloaded too (the CPU
+    # step writes them), in sub-groups, with accumulation and clipping.
+    cases: list[tuple[str, dict[str, Any]]] = [
+        ("offload_param", {}),
+        ("offload_param + offload_optimizer", {"offload_optimizer": _on_cpu()}),
+        (
+            "offload_param + offload_optimizer, sub-groups",
+            {"offload_optimizer": _on_cpu(), "sub_group_size": 3000},
+        ),
+    ]
+    for what, base in cases:
+        for gas, clip in ((1, 0.0), (2, 0.05)):
+            name = f"{what}, gas {gas}"
+            try:
+                _, in_gpu = _train(_config(3, "bf16", gas=gas, clip=clip, **copy.deepcopy(base)))
+                config = _config(
+                    3, "bf16", gas=gas, clip=clip, offload_param=_on_cpu(), **copy.deepcopy(base)
+                )
+                engine, got = _train(config)
+                _assert_parameters_on_cpu(engine, name)
+                _moved_bound(got, _flat(in_gpu), init, STEPS, name)
+            except AssertionError as err:
+                failures.append(str(err))
+            engine = None
+
+    # zero.Init(remote_device="cpu"): the partitions are built in CPU memory and train to the same result.
+    for what, base in cases[:2]:
+        try:
+            config = _config(3, "bf16", offload_param=_on_cpu(), **copy.deepcopy(base))
+            with zeroshard.zero.Init(remote_device="cpu", config_dict_or_path=copy.deepcopy(config)):
+                model = _model()
+            for name, p in model.named_parameters():
+                assert p.numel() == 0 and p.ds_tensor.device.type == "cpu", f"zero.Init {what}: {name}"
+            _, in_gpu = _train(copy.deepcopy(config))
+            engine, got = _train(config, model=model)
+            _assert_parameters_on_cpu(engine, f"zero.Init {what}")
+            _moved_bound(got, _flat(in_gpu), init, STEPS, f"zero.Init {what}")
+        except AssertionError as err:
+            failures.append(str(err))
+        engine = model = None
+    # ... and in bf16 (zero.Init(dtype=...)): the same as training a model rounded to bf16 first.
+    try:
+        config = _config(3, "bf16", offload_param=_on_cpu(), offload_optimizer=_on_cpu())
+        with zeroshard.zero.Init(
+            remote_device="cpu", config_dict_or_path=copy.deepcopy(config), dtype=torch.bfloat16
+        ):
+            model = _model()
+        for name, p in model.named_parameters():
+            where = (p.ds_tensor.dtype, p.ds_tensor.device.type)
+            assert where == (torch.bfloat16, "cpu"), f"zero.Init bf16: {name} partition is {where}"
+        rounded = _model().to(torch.bfloat16).float()
+        init_rounded = {n: p.detach().float().reshape(-1) for n, p in rounded.named_parameters()}
+        _, in_gpu = _train(copy.deepcopy(config), model=rounded)
+        engine, got = _train(config, model=model)
+        _moved_bound(got, _flat(in_gpu), init_rounded, STEPS, "zero.Init bf16")
+    except AssertionError as err:
+        failures.append(str(err))
+    engine = model = rounded = None
+
+    # GPU memory, on a model large enough to tell, built by zero.Init: initialize never has it whole on the
+    # GPU (beyond the model state the config keeps there: the masters without offload_optimizer), and between
+    # steps no GPU memory holds a 16-bit parameter shard.
+    for what, base in cases[:2]:
+        gc.collect()
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        config = _config(3, "bf16", offload_param=_on_cpu(), **copy.deepcopy(base))
+        with zeroshard.zero.Init(remote_device="cpu", config_dict_or_path=copy.deepcopy(config)):
+            model = _wide_model()
+        full_bytes = sum(p.ds_numel for p in model.parameters()) * torch.bfloat16.itemsize
+        torch.cuda.reset_peak_memory_stats()
+        engine, _ = _train(config, steps=0, model=model)
+        init_excess = torch.cuda.max_memory_allocated() - before - _gpu_state_bytes(engine)
+        for step in range(STEPS):
+            engine.backward(engine(*_batch(step, 0)))
+            engine.step()
+        residue, shards = _parameter_residue(engine, before)
+        report[f"wide model, {what}: initialize's GPU peak besides the model state, MiB"] = (
+            init_excess / 2**20
+        )
+        report[f"wide model, {what}: GPU MiB besides the model state between steps"] = residue / 2**20
+        report[f"wide model, {what}: 16-bit shards MiB"] = shards / 2**20
+        try:
+            assert init_excess < full_bytes / 2, (
+                f"{what}: initialize held {init_excess} of {full_bytes} bytes"
+            )
+            _assert_parameters_on_cpu(engine, f"wide model, {what}")
+            assert residue < shards / 10, (
+                f"{what}: {residue} GPU bytes besides the model state; shards {shards}"
+            )
+        except AssertionError as err:
+            failures.append(str(err))
+        engine = model = None
+    return report, failures
+
+
+def test_parameters_offloaded_to_pinned_cpu_memory() -> None:
+    ((report, failures),) = run_distributed(offload_param_worker, 1, backend="nccl", timeout=300)
+    for key, value in report.items():
+        print(f"{key}: {value:.3g}")
+    assert not failures, "\n".join(failures)
+
+
 def cuda_worker(rank: int, world_size: int, nvme_dir: str) -> dict[str, Any]:
     report: dict[str, Any] = {}
     init = {n: p.detach().float().reshape(-1) for n, p in _model().named_parameters()}
@@ -246,16 +417,6 @@ def test_cuda_paths_on_one_gpu_with_nccl() -> None:
         (report,) = run_distributed(cuda_worker, 1, nvme_dir, backend="nccl", timeout=600)
     for key, value in report.items():
         print(f"{key}: {value:.3g}")
-
-
-def _gpu_state_bytes(engine: Any) -> int:
-    """Bytes of the engine's model state in GPU memory: full buffers, masters, gradients, optimizer state
-    (each storage once)."""
-    tensors = [t for u in engine.units for t in (u.full, u.master, u.grad_full) if t is not None]
-    tensors += [u.grad_shard for u in engine.units if u.holds_grad_shard]
-    tensors += [v for s in engine.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t.is_cuda}
-    return sum(storages.values())
 
 
 def offload_states_worker(rank: int, world_size: int) -> dict[str, float]:

@@ -279,7 +279,7 @@ def gpu(load: Load) -> str:
     ]
     for r in doc["results"]:
         if "median_s" not in r:
-            lines.append(f"| {r['row']} | failed | | | | | | | |")
+            lines.append(f"| {r['row']} | {'time limit' if 'skipped' in r else 'failed'} | | | | | | | |")
             continue
         ratio = f"{r['median_s'] / base['median_s']:.2f}×" if base else "–"
         per_param = f"{r['model_state_bytes_per_param']:.1f}" if "model_state_bytes_per_param" in r else "–"
@@ -289,7 +289,123 @@ def gpu(load: Load) -> str:
             f"| {r['peak_gpu_bytes'] / GIB:.1f} | {r['gpu_bytes_after_step'] / r['params']:.1f} "
             f"| {per_param} | {r['peak_rss_bytes'] / GIB:.1f} |"
         )
-    return _join(f"Measured on: one {doc['device']}, torch {doc['torch']}.", "\n".join(lines))
+    return _join(
+        f"Measured on: one {doc['device']}, torch {doc['torch']}.",
+        "\n".join(lines),
+        _gpu_phases(doc["results"]),
+        _gpu_vs_deepspeed(doc["results"]),
+    )
+
+
+def _gpu_phases(results: list[dict[str, Any]]) -> str:
+    """The rows' ``engine.step_breakdown()`` phases, ms per step ("" when no row has any)."""
+    rows = [r for r in results if r.get("breakdown_s")]
+    if not rows:
+        return ""
+    keys = list(dict.fromkeys(k for r in rows for k in r["breakdown_s"]))
+    lines = [
+        "| row | step ms | " + " | ".join(f"{k} (ms)" for k in keys) + " |",
+        "| --- | --- |" + " --- |" * len(keys),
+    ]
+    for r in rows:
+        cells = [f"{r['breakdown_s'][k] * 1e3:.0f}" if k in r["breakdown_s"] else "–" for k in keys]
+        lines.append(f"| {r['row']} | {r['median_s'] * 1e3:.0f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _gpu_vs_deepspeed(results: list[dict[str, Any]]) -> str:
+    """Each ``ds_<row>`` beside its zeroshard row ("" without DeepSpeed rows)."""
+    by_row = {r["row"]: r for r in results}
+    pairs = [(by_row.get(r["row"][3:]), r) for r in results if r["row"].startswith("ds_")]
+    if not pairs:
+        return ""
+    version = next((" " + ds["deepspeed"] for _, ds in pairs if "deepspeed" in ds), "")
+    lines = [
+        f"| row | zeroshard step ms | DeepSpeed{version} step ms | DeepSpeed / zeroshard "
+        "| peak GPU GiB (zeroshard / DeepSpeed) | peak RSS GiB (zeroshard / DeepSpeed) |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for zs, ds in pairs:
+        row = ds["row"][3:]
+        if zs is None or "median_s" not in zs or "median_s" not in ds:
+            failed = "DeepSpeed" if zs is not None and "median_s" in zs else "zeroshard"
+            lines.append(f"| {row} | {failed} row failed or did not run | | | | |")
+            continue
+        lines.append(
+            f"| {row} | {zs['median_s'] * 1e3:.0f} | {ds['median_s'] * 1e3:.0f} "
+            f"| {ds['median_s'] / zs['median_s']:.2f} "
+            f"| {zs['peak_gpu_bytes'] / GIB:.1f} / {ds['peak_gpu_bytes'] / GIB:.1f} "
+            f"| {zs['peak_rss_bytes'] / GIB:.1f} / {ds['peak_rss_bytes'] / GIB:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def gpu_largest(load: Load) -> str:
+    """``bench/gpu_largest.py``: the largest GPT per offload setting on one GPU (not on the page: printed
+    by the bench)."""
+    doc = load("gpu_largest.json")
+    m, machine = doc["model"], doc["machine"]
+    gpu_memory = f" ({machine['gpu_memory_gib']} GiB)" if machine.get("gpu_memory_gib") else ""
+    head = (
+        f"Measured on: one {doc['device']}{gpu_memory}, {machine['cpus']} CPUs, "
+        f"{machine['available_memory_gib']} GiB RAM available, {machine['free_disk_gib']} GiB free disk; "
+        f"torch {doc['torch']}. GPT of width {m['n_embd']}, {m['n_head']} heads, {m['block_size']} tokens, "
+        f"vocab {m['vocab_size']}, micro batch {m['micro_batch']}; search {doc['wall_s']:.0f} s of "
+        f"{doc['budget_s']:.0f}."
+    )
+    lines = [
+        "| setting | largest trained | parameters | bound | tokens/s (2nd step) | peak GPU GiB "
+        "| GPU GiB between steps | peak RSS GiB | tries (layers: outcome) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for s in doc["settings"].values():
+        tries = ", ".join(
+            f"{t['n_layer']}: {t['outcome']}" + (f" ({t['reason']})" if t.get("reason") else "")
+            for t in s["tries"]
+            if t["outcome"] != "error"
+        )
+        if any(t["outcome"] == "error" for t in s["tries"]):
+            tries += (", " if tries else "") + "an error (see the JSON)"
+        best = s["largest"]
+        if best is None:
+            lines.append(f"| {s['label']} | none | | {_largest_bound(s)} | | | | | {tries} |")
+            continue
+        lines.append(
+            f"| {s['label']} | {best['n_layer']} layers | {_billions(best['params'])} | {_largest_bound(s)} "
+            f"| {best['tokens_per_s']:,.0f} | {best['peak_gpu_bytes'] / GIB:.1f} "
+            f"| {best['gpu_bytes_after_step'] / GIB:.2f} | {best['peak_rss_bytes'] / GIB:.1f} | {tries} |"
+        )
+    by_size = doc["gpu_memory_by_size"]
+    points = by_size["points"]
+    sizes = "; ".join(
+        f"{p['n_layer']} layers ({_billions(p['params'])}): peak {p['peak_gpu_bytes'] / GIB:.2f} GiB, "
+        f"{p['gpu_bytes_after_step'] / GIB:.2f} GiB between steps"
+        for p in points
+    )
+    label = doc["settings"][by_size["setting"]]["label"]
+    if len(points) >= 2 and points[0]["n_layer"] != points[-1]["n_layer"]:
+        a, b = points[0], points[-1]
+        per_layer = (b["peak_gpu_bytes"] - a["peak_gpu_bytes"]) / (b["n_layer"] - a["n_layer"]) / MIB
+        sizes += f" (peak +{per_layer:.0f} MiB per layer)"
+    memory = f"GPU memory by size, {label}: {sizes or 'no size trained'}."
+    return _join(head, "\n".join(lines), memory)
+
+
+def _billions(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.1f}M"
+
+
+def _largest_bound(s: dict[str, Any]) -> str:
+    """How far the search closed a setting's bound."""
+    best = s["largest"]["n_layer"] if s["largest"] else 0
+    failure = s["smallest_failure"]
+    if s["tight"]:
+        return "exact" if best else "1 layer does not fit"
+    why = {"budget": "budget spent", "--max-layers": "--max-layers reached", "error": "stopped by an error"}
+    reason = why.get(s["ended"], s["ended"])
+    if not best:
+        return f"not tight: < {failure} ({reason})" if failure else f"not measured ({reason})"
+    return f"not tight: ≥ {best}" + (f", < {failure}" if failure else "") + f" ({reason})"
 
 
 def multinode(load: Load) -> str:
