@@ -117,6 +117,11 @@ def run_case(rank: int, case: dict[str, Any]) -> None:
                     safe_set_full_grad(m.lin1.weight, full * 0.5 + 0.25)
             for engine in (ref, eng):
                 engine.step()
+        if case.get("edit"):
+            # Parameters changed by hand between steps reach the master and the parameter shard.
+            for m in (ref_model, model):
+                with zeroshard.zero.GatheredParameters([m.lin1.weight], modifier_rank=0):
+                    m.lin1.weight.data.mul_(0.5)
         with ref.gathered_parameters(), eng.gathered_parameters():
             for (name, p), (_, q) in zip(model.named_parameters(), ref_model.named_parameters(), strict=True):
                 assert torch.equal(p.detach(), q.detach()), f"{case} step {step}: {name} differs"
@@ -155,6 +160,9 @@ def _cases() -> list[dict[str, Any]]:
         {"stage": 3, "param_cpu": True, "sub_group_size": 40, "clip": 1.0},
         {"stage": 3, "param_cpu": True, "precision": "fp32", "gas": 2},
         {"stage": 3, "param_cpu": True, "set_grad": True},
+        {"stage": 3, "opt_cpu": False, "param_cpu": True, "edit": True},
+        {"stage": 3, "param_cpu": True, "edit": True},
+        {"stage": 2, "edit": True},
     ]
     # Each case with the copies reading their source when waited for, and again when started.
     return [{**case, "read_source": mode} for mode in ("wait", "start") for case in cases]

@@ -171,7 +171,8 @@ class HostShards:
             target.copy_(source)
 
     def full_to_master(self, unit: FlatUnit, full_shard: torch.Tensor) -> None:
-        self.flush()
+        self._flush_device()
+        self._flush_host()  # a copy still landing in the host shard would overwrite the new values
         self._forget_ahead()
         if full_shard.data_ptr() != unit.master.data_ptr():
             unit.master.copy_(full_shard)
