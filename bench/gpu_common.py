@@ -77,13 +77,18 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def _proc_bytes(path: str, key: str) -> int:
+    """The ``key:`` line of a /proc file given in kB, in bytes."""
+    with open(path) as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {key} in {path}")
+
+
 def peak_rss() -> int:
     """This process's peak RSS in bytes (``VmHWM``; ``ru_maxrss`` would count the parent's RSS at fork)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
+    return _proc_bytes("/proc/self/status", "VmHWM")
 
 
 def numel(p: nn.Parameter) -> int:
@@ -115,11 +120,7 @@ class Child:
 
 def mem_available() -> int:
     """The host's ``MemAvailable`` in bytes."""
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no MemAvailable in /proc/meminfo")
+    return _proc_bytes("/proc/meminfo", "MemAvailable")
 
 
 _RUNNING: set[int] = set()  # sessions of the children running now: killed with this process (on_sigterm)
