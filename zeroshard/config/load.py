@@ -24,17 +24,16 @@ import torch
 from pydantic import ValidationError
 
 from zeroshard.config.checks import check_config
+from zeroshard.config.deprecated import apply_deprecations, user_spelling
 from zeroshard.config.elasticity import ElasticityConfigError, ElasticityError, elastic_batch
 from zeroshard.config.errors import ConfigError, ConfigWarning, Problems, show
 from zeroshard.config.features import check_feature_blocks
 from zeroshard.config.keys import (
     Paths,
-    apply_deprecations,
     canonicalize,
     drop_auto,
     split_top_level,
     translate,
-    user_spelling,
 )
 from zeroshard.config.read import MAX_DEPTH, ConfigSource, read_source
 from zeroshard.config.resolve import (

@@ -12,36 +12,28 @@ model's trainable parameters in the communication dtype. At world size 1 nothing
 counted. The same bytes are counted by the group they moved on (the Comm's ``label``), and the bytes this
 rank sent to another node apart (traffic.py [Note: bytes across nodes]).
 
-[Note: direct exchange]
-On gloo, :meth:`Comm.all_gather` and :meth:`Comm.reduce_scatter` do not call torch's
-``all_gather_into_tensor`` / ``reduce_scatter_tensor``: each rank sends its shard (all-gather), or each
-peer's chunk of its bucket (reduce-scatter), straight to every other rank with ``isend``/``irecv``,
-receiving into the output itself; a reduce-scatter then sums the chunks in rank order, whichever rank sums.
-gloo's reduce-scatter copies its input in the caller and costs about an all-reduce of the whole buffer, and
-its all-gather of a transformer block's unit takes 2-3 times as long as the direct exchange on two cores
-(``bench/comm_ops.py``; docs/benchmarks.md). Each rank sends and receives (W-1)/W of the buffer, the
-ring algorithms' volume, and the bytes are counted as above. Messages are tagged with the exchange's
-position in this group's sequence, its size and its ``what`` (the unit it moves): ranks whose sequences
-diverged never pair messages of different sizes (gloo aborts the process on that) nor the same-sized
-shards of different units (silently wrong parameters). They wait instead, and the heartbeat names the
-collectives each rank launched at that point within a few seconds (``judge`` in
-zeroshard/watchdog/verdicts.py), or the timeout does where no heartbeat runs. NCCL groups keep NCCL's
-collectives. The direct exchange sends W-1 messages per rank per collective: right for data-parallel groups
-of a few to a few tens of CPU ranks.
+On gloo, all-gathers, reduce-scatters and all-to-alls are point-to-point exchanges: [Note: direct
+exchange] in ``exchange.py``, which plans them; :meth:`Comm._exchange` sends and receives.
 """
 
 from __future__ import annotations
 
 import datetime
 import pickle
-import zlib
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from zeroshard.core.liveness import APIS, CollectiveError, Monitor, NullMonitor
+from zeroshard.core.exchange import (
+    ExchangePlan,
+    all_to_all_plan,
+    exchange_tag,
+    gather_plan,
+    reduce_scatter_plan,
+)
+from zeroshard.core.liveness import APIS, Monitor, NullMonitor, entry_mismatch
 from zeroshard.core.pending import (
     DEFAULT_TIMEOUT,
     DONE,
@@ -148,9 +140,19 @@ class Comm:
         self.stats.add(kind, nbytes, group=self.label, cross_node=cross_node)
 
     def _launch(
-        self, what: str, kind: str, nbytes: int, fn: Any, *args: Any, root: int = 0, **kwargs: Any
+        self,
+        what: str,
+        kind: str,
+        nbytes: int,
+        fn: Any,
+        *args: Any,
+        root: int = 0,
+        cross: int | None = None,
+        **kwargs: Any,
     ) -> Pending:
-        self._count(kind, nbytes, ring_cross_bytes(kind, nbytes, self.rank, self.nodes, root=root))
+        if cross is None:
+            cross = ring_cross_bytes(kind, nbytes, self.rank, self.nodes, root=root)
+        self._count(kind, nbytes, cross)
         seq = self.monitor.note(self.key, kind, what)
         work = self._start(seq, what, lambda: fn(*args, group=self.group, async_op=True, **kwargs))
         return Pending(work, what, self.rank, self.timeout, stats=self.stats, op=kind, channel=self, seq=seq)
@@ -196,7 +198,8 @@ class Comm:
             return DONE
         nbytes = full.numel() * full.element_size()
         if self.direct:
-            return self._exchange_reduce_scatter(output, full, what, nbytes)
+            plan = reduce_scatter_plan(output, full, self.rank, self.world_size, self._remote_peers)
+            return self._exchange(plan, what, "reduce_scatter", nbytes)
         fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         return self._launch(what, "reduce_scatter", nbytes, fn, output, full)
 
@@ -211,7 +214,9 @@ class Comm:
             return DONE
         nbytes = full.numel() * full.element_size()
         if self.direct:
-            return self._exchange_gather(full, shard, what, nbytes)
+            return self._exchange(
+                gather_plan(full, shard, self.rank, self._remote_peers), what, "all_gather", nbytes
+            )
         fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         return self._launch(what, "all_gather", nbytes, fn, full, shard)
 
@@ -230,78 +235,18 @@ class Comm:
         cross = n * sent.element_size() * self._remote_peers  # one message per peer
         received[rank * n : (rank + 1) * n].copy_(sent[rank * n : (rank + 1) * n])
         if self.direct:
-            return self._exchange(
-                lambda dst: sent[dst * n : (dst + 1) * n],
-                lambda src: received[src * n : (src + 1) * n],
-                what,
-                op,
-                nbytes,
-                cross,
-            )
-        self._count(op, nbytes, cross)
-        seq = self.monitor.note(self.key, op, what)
-        work = self._start(
-            seq, what, lambda: dist.all_to_all_single(received, sent, group=self.group, async_op=True)
-        )
-        return Pending(work, what, rank, self.timeout, stats=self.stats, op=op, channel=self, seq=seq)
+            return self._exchange(all_to_all_plan(received, sent, n, cross), what, op, nbytes)
+        return self._launch(what, op, nbytes, dist.all_to_all_single, received, sent, cross=cross)
 
-    # -- [Note: direct exchange] ---------------------------------------------------------------------
-    def _exchange_gather(self, full: torch.Tensor, shard: torch.Tensor, what: str, nbytes: int) -> Pending:
-        n, rank = shard.numel(), self.rank
-        own = full[rank * n : (rank + 1) * n]
-        if own.data_ptr() != shard.data_ptr():
-            own.copy_(shard)
-        cross = n * shard.element_size() * self._remote_peers
-        return self._exchange(
-            lambda dst: shard, lambda src: full[src * n : (src + 1) * n], what, "all_gather", nbytes, cross
-        )
-
-    def _exchange_reduce_scatter(
-        self, output: torch.Tensor, full: torch.Tensor, what: str, nbytes: int
-    ) -> Pending:
-        n, rank, world = output.numel(), self.rank, self.world_size
-        # Chunks are summed in rank order, whichever rank sums them. With two ranks the peer's chunk lands
-        # in ``output`` itself (a + b == b + a); with more, every peer's chunk in a buffer of its own.
-        inbox = [output] if world == 2 else list(torch.empty((world - 1, n), dtype=output.dtype))
-        chunks: dict[int, torch.Tensor] = {rank: full[rank * n : (rank + 1) * n]}
-        for k in range(1, world):
-            chunks[(rank - k) % world] = inbox[k - 1]
-
-        def total() -> None:
-            if world == 2:
-                output.add_(chunks[rank])
-                return
-            torch.add(chunks[0], chunks[1], out=output)
-            for r in range(2, world):
-                output.add_(chunks[r])
-
-        cross = n * full.element_size() * self._remote_peers
-        return self._exchange(
-            lambda dst: full[dst * n : (dst + 1) * n],
-            chunks.__getitem__,
-            what,
-            "reduce_scatter",
-            nbytes,
-            cross,
-            total,
-        )
-
-    def _exchange(
-        self,
-        outgoing: Callable[[int], torch.Tensor],
-        incoming: Callable[[int], torch.Tensor],
-        what: str,
-        op: str,
-        nbytes: int,
-        cross: int,
-        then: Callable[[], None] | None = None,
-    ) -> Pending:
-        """Send ``outgoing(dst)`` to every other rank ``dst`` and receive ``incoming(src)`` from every
-        other rank ``src``, each one tagged message ([Note: direct exchange]); ``then`` runs after all
-        arrived."""
+    # -- [Note: direct exchange] in exchange.py ------------------------------------------------------
+    def _exchange(self, plan: ExchangePlan, what: str, op: str, nbytes: int) -> Pending:
+        """Carry out ``plan``: each outgoing tensor and each incoming one a tagged message ([Note: direct
+        exchange] in exchange.py)."""
         rank, world = self.rank, self.world_size
+        outgoing, incoming = plan.outgoing, plan.incoming
         probe = outgoing((rank + 1) % world)
-        tag = self._exchange_tag(probe.numel(), probe.dtype, what)
+        self._exchanges += 1
+        tag = exchange_tag(self._exchanges, probe.numel(), probe.dtype, what)
         seq = self.monitor.note(self.key, op, what)
 
         def start() -> list[Any]:
@@ -313,7 +258,7 @@ class Comm:
             return works
 
         works = self._start(seq, what, start)
-        self._count(op, nbytes, cross)
+        self._count(op, nbytes, plan.cross)
         return Pending(
             works,
             what,
@@ -321,18 +266,11 @@ class Comm:
             self.timeout,
             stats=self.stats,
             op=op,
-            then=then,
+            then=plan.then,
             channel=self,
             seq=seq,
             exchange=True,
         )
-
-    def _exchange_tag(self, numel: int, dtype: torch.dtype, what: str) -> int:
-        """The next exchange's message tag: from its position in this group's sequence, its size and what it
-        moves, so that ranks whose sequences diverged never pair up their messages (they wait, and the
-        heartbeat or the timeout names why). ``what`` must be the same on every rank."""
-        self._exchanges += 1
-        return zlib.crc32(f"{self._exchanges}:{numel}:{dtype}:{what}".encode()) & 0x7FFFFFFF
 
     @property
     def watched(self) -> bool:
@@ -394,18 +332,9 @@ class Comm:
             return
         code = APIS.index(api)
         rows = self.agree_async([code, -1 if step is None else step], what=f"{api} entry check").result()
-        if all(row[0] == code for row in rows):
-            return
-        by_api: dict[str, list[int]] = {}
-        for r, row in enumerate(rows):
-            name = APIS[row[0]] if 0 <= row[0] < len(APIS) else f"API #{row[0]}"
-            by_api.setdefault(f"{name} (step {row[1]})" if row[1] >= 0 else name, []).append(r)
-        sides = "; ".join(f"ranks {ranks} entered {name}" for name, ranks in by_api.items())
-        raise CollectiveError(
-            f"rank {self.rank}: the ranks called different collective APIs: {sides}. {api} is collective: "
-            "call it on every rank (not under `if rank == 0:`), in the same order as the other collective "
-            "calls"
-        )
+        error = entry_mismatch(api, rows, self.rank)
+        if error is not None:
+            raise error
 
     def agree(self, value: int, *, what: str) -> list[int]:
         """Every rank's ``value``, in rank order (one tiny fixed-size all-gather; not counted as traffic).

@@ -151,3 +151,21 @@ def collective_api(comm: _Entered, name: str, step: int | None = None, check: bo
         if check:
             comm.check_entry(name, step)
         yield
+
+
+def entry_mismatch(api: str, rows: list[list[int]], rank: int) -> CollectiveError | None:
+    """The error when not every rank entered ``api``: ``rows`` holds each rank's (API code in :data:`APIS`,
+    step or -1), as ``Comm.check_entry`` gathered them. None when they all did."""
+    code = APIS.index(api)
+    if all(row[0] == code for row in rows):
+        return None
+    by_api: dict[str, list[int]] = {}
+    for r, row in enumerate(rows):
+        name = APIS[row[0]] if 0 <= row[0] < len(APIS) else f"API #{row[0]}"
+        by_api.setdefault(f"{name} (step {row[1]})" if row[1] >= 0 else name, []).append(r)
+    sides = "; ".join(f"ranks {ranks} entered {name}" for name, ranks in by_api.items())
+    return CollectiveError(
+        f"rank {rank}: the ranks called different collective APIs: {sides}. {api} is collective: "
+        "call it on every rank (not under `if rank == 0:`), in the same order as the other collective "
+        "calls"
+    )
