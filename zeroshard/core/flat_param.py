@@ -183,9 +183,8 @@ class FlatUnit:
                 f"rank {self.rank}: unit {self.index} ({self.names[0]}) has no secondary shard"
             )
         self.full = self._new_full()
-        # From pinned CPU memory (ZeRO-Offload masters) the cast runs on the GPU after an async DMA; the
-        # optimizer step waits for the stream before it writes the masters again (ShardedStep._step_grads).
-        shard = source.to(device=self.device, dtype=self.policy.compute, non_blocking=self.host_to_device)
+        # A shard in pinned CPU memory reaches the GPU through its store's copies (offload/host_shards.py).
+        shard = source.to(device=self.device, dtype=self.policy.compute)
         what = f"parameter all_gather of unit {self.index} ({self.names[0]}, ...)"
         if quantized:
             self._gathering = quantized_all_gather(comm, self.full, shard, what=what)
@@ -288,11 +287,6 @@ class FlatUnit:
         shard = self.own_full_shard()
         if shard.numel():
             self.store.full_to_master(self, shard)
-
-    @property
-    def host_to_device(self) -> bool:
-        """Whether the master lives in CPU memory beside a GPU (pinned: copies to the GPU may be async)."""
-        return self.device.type == "cuda" and self.master.device.type == "cpu"
 
     @property
     def keeps_full_grad(self) -> bool:

@@ -36,11 +36,6 @@ class UnitBuffers(Protocol):
         """The unit's stage plan: whether its parameters are sharded between uses."""
         ...
 
-    @property
-    def host_to_device(self) -> bool:
-        """Whether the master lives in pinned CPU memory beside a GPU (copies to the GPU may be async)."""
-        ...
-
     def own_full_shard(self) -> torch.Tensor:
         """This rank's slice of the unit's full buffer (empty while a stage-3 unit is released)."""
         ...
@@ -117,8 +112,7 @@ class InMemoryShards:
         source = unit.master if values is None else values
         target = self.param_shard(unit)[start : start + source.numel()]
         if target.data_ptr() != source.data_ptr():
-            # From the pinned master the copy may run async: see FlatUnit.start_gather.
-            target.copy_(source, non_blocking=values is None and unit.host_to_device)
+            target.copy_(source)
 
     def full_to_master(self, unit: UnitBuffers, full_shard: torch.Tensor) -> None:
         if full_shard.data_ptr() != unit.master.data_ptr():

@@ -91,7 +91,7 @@ class OffloadedMaster:
             # (OptimizerStateSwapper.resident) is in memory. At stages 0-2 it goes into the full buffer as an
             # in-memory one does; at stage 3 the swapper writes it here, as a range, when the block ends.
             if unit.master.numel() and not unit.plan.shard_parameters:
-                unit.own_full_shard().copy_(unit.master, non_blocking=unit.host_to_device)
+                unit.own_full_shard().copy_(unit.master)
             return
         if self._home is not None:
             self._home.store_range(unit, start, values)
