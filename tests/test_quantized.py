@@ -132,14 +132,22 @@ def _train(rank: int, case: dict[str, Any], **flags: Any) -> dict[str, Any]:
             engine.backward(loss)
             engine.step()
             losses.append(float(loss.detach()))
+    trained_bytes = dict(engine.comm.stats.bytes_by_op)  # the training's traffic, before the checks below
     probe = engine(torch.ones(4, 32).to(dtype)).detach().reshape(1)  # the same input on every rank
     outputs = [torch.empty(1, dtype=probe.dtype) for _ in range(WORLD)]
     torch.distributed.all_gather(outputs, probe)
     with engine.gathered_parameters():
         final = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+    # A gather whose values go back into the masters is exact, never int8: written back unchanged, the
+    # (fp32) masters stay as they were.
+    masters = [sl.master.detach().clone() for sl in engine.sharded_step.slices]
+    with zeroshard.zero.GatheredParameters(list(model.parameters()), modifier_rank=0):
+        pass
+    slices = engine.sharded_step.slices
     return {
+        "masters_kept": all(torch.equal(m, sl.master) for m, sl in zip(masters, slices, strict=True)),
         "final": final,
-        "bytes": dict(engine.comm.stats.bytes_by_op),
+        "bytes": trained_bytes,
         "losses": losses,
         "same_on_every_rank": all(torch.equal(o, outputs[0]) for o in outputs),
         "skipped": engine.skipped_steps,
@@ -162,6 +170,8 @@ def _training(rank: int, world: int) -> list[str]:
             problems.append(f"{precision}: quantized parameters {distance:.2e} from the plain run's")
         if not both["same_on_every_rank"]:
             problems.append(f"{precision}: the ranks computed with different parameters")
+        if precision == "fp32" and not both["masters_kept"]:
+            problems.append("fp32: writing back unchanged parameters under qwZ moved the masters")
         for op in ("all_gather", "reduce_scatter"):
             got = both["bytes"][op] / plain["bytes"][op]
             if not ratio[0] < got < ratio[1]:

@@ -69,6 +69,8 @@ class FlatUnit:
     """
 
     _grad_landing: Copy | None = None  # the copy bringing a moved gradient shard in: move_grad_shard
+    full_exact = True  # whether ``full`` holds the masters' values as cast, not int8-rounded (qwZ)
+    _secondary_exact = True
 
     def __init__(
         self,
@@ -183,6 +185,7 @@ class FlatUnit:
                 f"rank {self.rank}: unit {self.index} ({self.names[0]}) has no secondary shard"
             )
         self.full = self._new_full()
+        self.full_exact = not quantized and (self._secondary_exact or not from_secondary)
         # A shard in pinned CPU memory reaches the GPU through its store's copies (offload/host_shards.py).
         shard = source.to(device=self.device, dtype=self.policy.compute)
         what = f"parameter all_gather of unit {self.index} ({self.names[0]}, ...)"
@@ -207,6 +210,7 @@ class FlatUnit:
         if self.secondary is None and self.full.numel():
             size = self.layout.padded // parts
             self.secondary = self.full[part * size : (part + 1) * size].clone()
+            self._secondary_exact = self.full_exact
 
     def drop_secondary(self) -> None:
         """Forget the secondary shard: the master shards changed, so it is stale."""

@@ -170,9 +170,7 @@ class HostStep:
         if collected:
             self._step(opt, collected)
         timings["cpu_step_s"] += time.perf_counter() - start
-        for _, copy in self._copying.values():  # the CPU copies were scaled in place: forget them all
-            copy.wait()
-        self._copying.clear()
+        self._forget_copies()  # the CPU copies were scaled in place
         self._partials.clear()
         start = time.perf_counter()
         for unit in self.units:
@@ -189,9 +187,13 @@ class HostStep:
                 sl.master.grad = None
             g.unit.master_to_full(g.unit.master[g.start : g.start + g.numel], g.start)
 
-    def close(self) -> None:
-        """Wait for copies in flight and drop the pinned buffers."""
+    def _forget_copies(self) -> None:
+        """Wait for the gradient copies in flight and forget them all."""
         for _, copy in self._copying.values():
             copy.wait()
         self._copying.clear()
+
+    def close(self) -> None:
+        """Wait for copies in flight and drop the pinned buffers."""
+        self._forget_copies()
         self._host_grads.clear()

@@ -125,9 +125,8 @@ class ParameterGatherer:
         self._users: Counter[int] = Counter()  # running forwards that use each unit
         self._handles: list[RemovableHandle] = []
         self._phase = Phase.FORWARD  # changed by _move only: [Note: gatherer phases]
-        # Units released in this backward because their gradients were reduced. Ranks may reach that point
-        # at different moments (it follows local gradient readiness), so such a unit is never gathered
-        # again in the same backward: the decision to gather stays the same on every rank.
+        # Units released in this backward because their gradients were reduced: ranks reach that point at
+        # different moments, so such a unit is never gathered again in the same backward (same on all ranks).
         self._released_reduced: set[int] = set()
         self._step = _StepRecord()
         self._backwards = 0  # backwards ended: a hook gathers once per backward (retain_graph)
@@ -303,7 +302,7 @@ class ParameterGatherer:
             if unit.gathered and unit.index not in self._step.prefetched:
                 self._spend(unit)
 
-    def _start_many(self, units: list[FlatUnit]) -> None:
+    def _start_many(self, units: list[FlatUnit], exact: bool = False) -> None:
         """Launch the all-gathers of ``units`` with their gather check ([Note: gather check])."""
         if not units:
             return
@@ -315,7 +314,7 @@ class ParameterGatherer:
             )
         self._checks.launch([u.index for u in units])
         for unit in units:
-            self._source.start(unit)
+            self._source.start(unit, exact=exact)
 
     def _describe(self, index: int) -> str:
         for unit in self._all_units():
@@ -334,8 +333,9 @@ class ParameterGatherer:
         """Keep ``units`` gathered inside the block; with ``write_back`` copy their full parameters back into
         the master shards on exit (after an in-place modification). Collective: all ranks, same units."""
         units = sorted(unique_units(units), key=lambda u: u.index)
+        self._source.check_exact(units, write_back)
         with self.pool.exempt():  # a one-off demand: see [Note: buffer reuse]
-            self._start_many([u for u in units if not u.gathered])
+            self._start_many([u for u in units if not u.gathered], exact=True)
         self._checks.verify(u.index for u in units)
         for unit in units:
             unit.finish_gather()

@@ -42,12 +42,27 @@ class GatherSource:
         self.hpz = hpz
         self.quantized = quantized  # the primary gathers in int8: quantize.py [Note: quantized collectives]
 
-    def start(self, unit: FlatUnit) -> None:
-        """Launch ``unit``'s gather from its source. Collective: all ranks of the chosen group, same units."""
-        if self.hpz is not None and unit.secondary is not None:
+    def start(self, unit: FlatUnit, *, exact: bool = False) -> None:
+        """Launch ``unit``'s gather from its source. ``exact`` (a gather whose values a user reads or writes
+        back into the masters: ``GatheredParameters``, state dicts): the primary shards, never in int8.
+        Collective: all ranks of the chosen group, same units."""
+        if exact:
+            unit.start_gather(self.gather)
+        elif self.hpz is not None and unit.secondary is not None:
             unit.start_gather(self.hpz, from_secondary=True)
         else:
             unit.start_gather(self.gather, quantized=self.quantized)
+
+    def check_exact(self, units: Iterable[FlatUnit], write_back: bool) -> None:
+        """Refuse to write back units gathered in int8 for a module's forward (their full parameters are
+        rounded: written back they would round the masters). Local; the same on every rank."""
+        rounded = [u for u in units if write_back and u.gathered and not u.full_exact]
+        if rounded:
+            raise RuntimeError(
+                f"rank {self.gather.rank}: unit {rounded[0].index} ({rounded[0].names[0]}, ...) is gathered "
+                "in int8 for a running module (zero_quantized_weights), so its values cannot be written back "
+                "exactly: modify it outside the module's forward (GatheredParameters(modifier_rank=...))"
+            )
 
     def keep(self, units: Iterable[FlatUnit], phase: Phase) -> None:
         """``units`` were gathered for a module's forward: each keeps its secondary shard (hpZ only)."""
