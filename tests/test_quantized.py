@@ -197,7 +197,30 @@ def _training(rank: int, world: int) -> list[str]:
     plain, quantized = _train(rank, case), _train(rank, case, zero_quantized_gradients=True)
     if not 0 < plain["skipped"] < 8 or quantized["skipped"] != plain["skipped"]:
         problems.append(f"fp16 skipped steps: plain {plain['skipped']}, quantized {quantized['skipped']}")
+    problems += _write_back_inside_forward(rank)
     return problems
+
+
+def _write_back_inside_forward(rank: int) -> list[str]:
+    """A module's parameters gathered in int8 for its forward cannot be written back: the error says so on
+    every rank, instead of rounding the unit's masters."""
+    torch.manual_seed(0)
+    model = Blocks(None, width=32, hidden=256)
+    zero = {"stage": 3, "stage3_param_persistence_threshold": 0, "zero_quantized_weights": True}
+    config = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    engine, *_ = zeroshard.initialize(model=model, config={**config, "zero_optimization": zero})
+    linear = model.blocks[0][0]
+
+    def modify(module: torch.nn.Module, args: Any) -> None:
+        with zeroshard.zero.GatheredParameters([module.weight], modifier_rank=0):
+            module.weight.data.mul_(0.5)
+
+    linear.register_forward_pre_hook(modify)
+    try:
+        engine(torch.randn(4, 32))
+    except RuntimeError as err:
+        return [] if "int8" in str(err) else [f"write-back inside forward: {err}"]
+    return ["write-back of an int8 gather inside forward was not refused"]
 
 
 def worker(rank: int, world_size: int) -> list[str]:

@@ -18,9 +18,7 @@ parameter's ``.grad`` (FSDP2 does the same). So the forward, and the backward un
 arrive, run without the 4N/W bytes (fp32) of gradient shards: at the forward's end, where activations
 peak, the model state is the parameters and the optimizer state only. Reading ``grad_shard`` when there is
 none gives a zero shard (nothing was reduced); ``bytes_held`` counts the shard at its size either way, as
-it is part of the model state at the step. With the optimizer in CPU memory beside a GPU the boundary's
-shard moves to pinned CPU memory as soon as its reduction is done (:meth:`FlatUnit.move_grad_shard`,
-``offload/host_step.py`` [Note: overlapped offload step]).
+it is part of the model state at the step (beside a GPU it may live in CPU memory: move_grad_shard).
 
 At stage 0 the shard world is 1: a rank's "shard" is the whole unit, which is how stage 0 steps everything
 without a code path of its own.
@@ -69,8 +67,7 @@ class FlatUnit:
     """
 
     _grad_landing: Copy | None = None  # the copy bringing a moved gradient shard in: move_grad_shard
-    full_exact = True  # whether ``full`` holds the masters' values as cast, not int8-rounded (qwZ)
-    _secondary_exact = True
+    full_exact = _secondary_exact = True  # ``full`` / ``secondary`` hold the masters as cast, not int8 (qwZ)
 
     def __init__(
         self,
@@ -287,10 +284,20 @@ class FlatUnit:
     def full_to_master(self) -> None:
         """Take this rank's slice of ``full`` (modified in place, e.g. by load_state_dict) into the master;
         the secondary shard is stale from now on."""
+        self.check_write_back()
         self.drop_secondary()
         shard = self.own_full_shard()
         if shard.numel():
             self.store.full_to_master(self, shard)
+
+    def check_write_back(self) -> None:
+        """Refuse to take an int8-rounded ``full`` (qwZ) into the master: it would round the whole unit."""
+        if self.gathered and not self.full_exact:
+            raise RuntimeError(
+                f"rank {self.rank}: unit {self.index} ({self.names[0]}, ...) is gathered in int8 for a "
+                "running module (zero_quantized_weights): its values cannot be written back exactly; modify "
+                "it outside the module's forward (GatheredParameters(modifier_rank=...))"
+            )
 
     @property
     def keeps_full_grad(self) -> bool:
@@ -320,17 +327,15 @@ class FlatUnit:
         return self.peek_grad_shard()
 
     def peek_grad_shard(self) -> torch.Tensor:
-        """:attr:`grad_shard` without waiting for a copy bringing it in (:meth:`move_grad_shard`): for views
-        whose values are read only after :attr:`grad_shard` was read."""
+        """:attr:`grad_shard` without waiting for a copy bringing it in (for views read after it landed)."""
         if self._grad_shard is None:
             self._grad_shard = self._new_grad_shard()
             self._grad_shard.zero_()
         return self._grad_shard
 
     def move_grad_shard(self, home: torch.Tensor, landing: Copy) -> None:
-        """The gradient shard lives in ``home`` from now on (CPU memory beside a GPU), where ``landing``
-        copies it: :attr:`grad_shard` waits for that copy, and the old tensor is dropped (its memory is
-        reused only once the copy has read it: core/copies.py [Note: copy streams]). Stages 2-3 only."""
+        """The gradient shard lives in ``home`` (CPU memory) from now on, where ``landing`` copies it and
+        :attr:`grad_shard` waits for it ([Note: overlapped offload step]). Stages 2-3 only."""
         if self.keeps_full_grad:
             raise RuntimeError(f"rank {self.rank}: unit {self.index} keeps its full gradient; it cannot move")
         self._grad_shard = home
@@ -356,8 +361,7 @@ class FlatUnit:
             shard.add_(reduced.to(device=shard.device, dtype=self._grad_dtype), alpha=factor)
 
     def grad_written(self) -> None:
-        """Say that the gradient shard was written in place (any write not through :meth:`add_reduced_grad`
-        or :meth:`zero_grad` must)."""
+        """Record an in-place write to the gradient shard (any but add_reduced_grad's and zero_grad's)."""
         self.grad_version += 1
 
     def zero_grad(self) -> None:

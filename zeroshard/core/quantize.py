@@ -15,8 +15,9 @@ DeepSpeed. Both are lossy: a model trains close to, not equal to, the unquantize
   the unquantized shards would be), and every rank dequantizes all of them, its own included, so that every
   rank computes with the same parameters. The masters and the shards the optimizer steps stay exact; only
   what the forward and backward compute with is rounded. Gathers whose values a user reads or writes back
-  (``GatheredParameters``, state dicts: ``GatherSource.start(exact=True)``) are never quantized. hpZ's secondary shards (stage3/secondary.py) are
-  cut from the dequantized forward gather and gathered unquantized inside the node, as DeepSpeed's hpZ.
+  (``GatheredParameters``, state dicts: ``GatherSource.start(exact=True)``) are never quantized. hpZ's
+  secondary shards (stage3/secondary.py) are cut from the dequantized forward gather and gathered
+  unquantized inside the node, as DeepSpeed's hpZ.
 * Gradients: each rank packs the chunk of its bucket that each peer owns and sends it with an all-to-all
   (DeepSpeed's qgZ replaces the reduce-scatter with all-to-alls too); the owner dequantizes the chunks it
   receives and sums them in rank order with its own chunk, which it keeps exact. One quantization per

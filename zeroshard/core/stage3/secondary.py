@@ -54,15 +54,10 @@ class GatherSource:
             unit.start_gather(self.gather, quantized=self.quantized)
 
     def check_exact(self, units: Iterable[FlatUnit], write_back: bool) -> None:
-        """Refuse to write back units gathered in int8 for a module's forward (their full parameters are
-        rounded: written back they would round the masters). Local; the same on every rank."""
-        rounded = [u for u in units if write_back and u.gathered and not u.full_exact]
-        if rounded:
-            raise RuntimeError(
-                f"rank {self.gather.rank}: unit {rounded[0].index} ({rounded[0].names[0]}, ...) is gathered "
-                "in int8 for a running module (zero_quantized_weights), so its values cannot be written back "
-                "exactly: modify it outside the module's forward (GatheredParameters(modifier_rank=...))"
-            )
+        """With ``write_back``, refuse before the block units that could not be written back exactly
+        (``FlatUnit.check_write_back``). Local; the same on every rank."""
+        for unit in units if write_back else ():
+            unit.check_write_back()
 
     def keep(self, units: Iterable[FlatUnit], phase: Phase) -> None:
         """``units`` were gathered for a module's forward: each keeps its secondary shard (hpZ only)."""
