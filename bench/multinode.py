@@ -61,6 +61,8 @@ from common import CLIP, LR, ROOT, WEIGHT_DECAY, build_gpt, ds_config, peak_rss,
 import torch
 import torch.distributed as dist
 
+from zeroshard.core.quantize import BLOCK, packed_bytes
+
 RESULTS = ROOT / "bench" / "results"
 NODES = ("zs_node0", "zs_node1")
 VETHS = ("zs_veth0", "zs_veth1")
@@ -95,8 +97,8 @@ SIZES: dict[str, dict[str, Any]] = {
 }
 
 
-# The bytes of an fp32 value sent as blockwise int8: 1 byte plus a 4-byte scale per 256 (core/quantize.py).
-INT8_PER_FP32 = (1 + 4 / 256) / 4
+# The bytes of an fp32 value sent as blockwise int8, per byte of fp32 (core/quantize.py's packets).
+INT8_PER_FP32 = packed_bytes(BLOCK) / (4 * BLOCK)
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,7 @@ class FileSink:
         self._fill = 0
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
         try:
-            self._fd = os.open(path, flags | _DIRECT, 0o644) if _DIRECT else os.open(path, flags, 0o644)
+            self._fd = os.open(path, flags | _DIRECT, 0o644)  # _DIRECT is 0 where O_DIRECT does not exist
         except OSError as err:
             if err.errno != errno.EINVAL:
                 raise

@@ -233,8 +233,8 @@ class Comm:
         n, rank = sent.numel() // self.world_size, self.rank
         nbytes = sent.numel() * sent.element_size()
         cross = n * sent.element_size() * self._remote_peers  # one message per peer
-        received[rank * n : (rank + 1) * n].copy_(sent[rank * n : (rank + 1) * n])
-        if self.direct:
+        if self.direct:  # NCCL's all_to_all_single moves this rank's own chunk itself
+            received[rank * n : (rank + 1) * n].copy_(sent[rank * n : (rank + 1) * n])
             return self._exchange(all_to_all_plan(received, sent, n, cross), what, op, nbytes)
         return self._launch(what, op, nbytes, dist.all_to_all_single, received, sent, cross=cross)
 

@@ -67,11 +67,7 @@ def safe_set_full_fp32_param(param: nn.Parameter, value: torch.Tensor) -> None:
     Collective: all ranks.
     """
     unit, index, _ = _unit_and_index(param, "safe_set_full_fp32_param")
-    if tuple(value.shape) != tuple(unit.shapes[index]):
-        raise ValueError(
-            f"safe_set_full_fp32_param({unit.names[index]}): value has shape {tuple(value.shape)}, "
-            f"the parameter {tuple(unit.shapes[index])}"
-        )
+    _flat_value(unit, index, value, "safe_set_full_fp32_param")  # checks the shape
     with GatheredParameters([param], modifier_rank=0), torch.no_grad():
         param.copy_(value.to(device=param.device, dtype=param.dtype))
 
@@ -135,8 +131,11 @@ def _flat_value(unit: FlatUnit, index: int, value: torch.Tensor, what: str) -> t
     return value.detach().reshape(-1)
 
 
-def _states(trained: TrainedParameters, unit: FlatUnit, index: int, key: str, what: str) -> list[Any]:
-    """This rank's pieces of the parameter with their ``key`` state tensors (1-D, like the pieces)."""
+def _states(
+    trained: TrainedParameters, unit: FlatUnit, index: int, key: str, what: str
+) -> tuple[list[Any], torch.dtype]:
+    """This rank's pieces of the parameter with their ``key`` state tensors (1-D, like the pieces), and the
+    state's dtype (read the same way on every rank, also one holding no piece)."""
     name = f"{what}({unit.names[index]}, {key!r})"
     opt = trained.optimizer
     if opt is None:
@@ -153,7 +152,8 @@ def _states(trained: TrainedParameters, unit: FlatUnit, index: int, key: str, wh
         raise ValueError(
             f"{name}: the optimizer state is not in memory (offload_optimizer nvme keeps it in files)"
         )
-    return [(sl, opt.state[sl.master][key]) for sl in trained.slices.get(id(unit.params[index]), [])]
+    pieces = [(sl, opt.state[sl.master][key]) for sl in trained.slices.get(id(unit.params[index]), [])]
+    return pieces, some[key].dtype
 
 
 def safe_get_full_optimizer_state(param: nn.Parameter, optim_state_key: str) -> torch.Tensor | None:
@@ -165,8 +165,7 @@ def safe_get_full_optimizer_state(param: nn.Parameter, optim_state_key: str) -> 
             element (naming the keys it does).
     """
     unit, index, trained = _unit_and_index(param, "safe_get_full_optimizer_state")
-    pieces = _states(trained, unit, index, optim_state_key, "safe_get_full_optimizer_state")
-    dtype = pieces[0][1].dtype if pieces else torch.float32
+    pieces, dtype = _states(trained, unit, index, optim_state_key, "safe_get_full_optimizer_state")
     shard = torch.zeros(unit.layout.shard_size, dtype=dtype, device=unit.master.device)
     for sl, tensor in pieces:
         shard[sl.piece.shard_start : sl.piece.shard_start + sl.piece.numel].copy_(tensor.reshape(-1))
@@ -179,7 +178,7 @@ def safe_set_full_optimizer_state(param: nn.Parameter, value: torch.Tensor, opti
     ``optim_state_key``; give every rank the same value. Local."""
     unit, index, trained = _unit_and_index(param, "safe_set_full_optimizer_state")
     flat = _flat_value(unit, index, value, "safe_set_full_optimizer_state")
-    for sl, tensor in _states(trained, unit, index, optim_state_key, "safe_set_full_optimizer_state"):
+    for sl, tensor in _states(trained, unit, index, optim_state_key, "safe_set_full_optimizer_state")[0]:
         start = sl.piece.param_start
         tensor.copy_(flat[start : start + sl.piece.numel].reshape(tensor.shape))
 
