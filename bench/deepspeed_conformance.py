@@ -286,7 +286,7 @@ def main() -> None:
     parser.add_argument("checkout", type=Path, help="a DeepSpeed checkout (work tree or git directory)")
     parser.add_argument("--side", choices=("both", *SIDES), default="both", help="which side(s) to run")
     parser.add_argument("--previous", type=Path, help="results JSON whose other side is kept (with --side)")
-    parser.add_argument("-k", "--select", default="", help="only the cases whose id contains this text")
+    parser.add_argument("-k", "--select", default="", help="only the CASES entries containing this text")
     parser.add_argument("--timeout", type=int, default=300, help="seconds one case may take (default 300)")
     parser.add_argument(
         "--zeroshard-tree", type=Path, help="a zeroshard source tree to test instead of the installed one"
@@ -295,6 +295,8 @@ def main() -> None:
     args = parser.parse_args()
 
     selected = [c for c in CASES if args.select in c]
+    if not selected:  # pytest given no node id would collect all of DeepSpeed's tests
+        raise SystemExit(f"-k {args.select!r}: no entry of CASES contains it (a file, class or case id)")
     sides = SIDES if args.side == "both" else (args.side,)
     previous: dict[str, Any] = json.loads(args.previous.read_text()) if args.previous else {}
     cases: dict[str, dict[str, Any]] = {k: dict(v) for k, v in previous.get("cases", {}).items()}

@@ -374,6 +374,60 @@ def runtime_utils_cases(root: str, tmp: str) -> dict[str, Any]:
     return out
 
 
+def torch_utils_cases(root: str) -> dict[str, Any]:
+    tu = importlib.import_module(f"{root}.utils.torch")
+    out: dict[str, Any] = {}
+    bounds = [(2.1, None), (None, 1.9), ("2.6", "99"), (99, None), (None, "2.0.1"), ("1.0", None)]
+    bounds.append((None, None))
+    out["required_torch_version"] = [_attempt(lambda b=b: tu.required_torch_version(*b)) for b in bounds]
+    seen: list[Any] = []
+    param = torch.nn.Parameter(torch.ones(3))
+    handle = tu.register_grad_hook(param, lambda p: seen.append(p.grad.clone()))
+    for _ in range(2):
+        (param * torch.tensor([1.0, 2.0, 3.0])).sum().backward()
+    handle.remove()
+    (param * 5).sum().backward()
+    out["register_grad_hook"] = [seen, param.grad]
+
+    def scaled(x: torch.Tensor) -> torch.Tensor:
+        return x * 2 + 1
+
+    out["jit_script_compat"] = tu.jit_script_compat(scaled)(torch.arange(3.0))
+    inside: list[bool] = []
+
+    def probe(x: torch.Tensor) -> torch.Tensor:
+        inside.append(tu.is_functorch_transforming())
+        return (x * x).sum()
+
+    torch.func.grad(probe)(torch.ones(2))
+    out["is_functorch_transforming"] = [tu.is_functorch_transforming(), inside]
+    return out
+
+
+def throughput_timer_cases(root: str) -> dict[str, Any]:
+    """The timer's counters and reports over a run of micro-steps (times vary, so only their signs)."""
+    timer_module = importlib.import_module(f"{root}.utils.timer")
+    out: dict[str, Any] = {}
+    runs = ((True, 2, 2, 3), (True, 0, None, 1), (False, 1, 1, 2))
+    for enabled, start_step, per_output, accumulation in runs:
+        lines: list[str] = []
+        config = argparse.Namespace(enabled=enabled, synchronized=True)
+        timer = timer_module.ThroughputTimer(config, 6, start_step, per_output, logging_fn=lines.append)
+        trace = [[timer.initialized, timer.started, timer.avg_samples_per_sec()]]
+        timer.stop()
+        for micro in range(4 * accumulation):
+            timer.start()
+            timer.stop(global_step=(micro + 1) % accumulation == 0)
+            measured = [timer.total_elapsed_time > 0, timer.step_elapsed_time > 0, timer.end_time > 0]
+            trace.append([timer.micro_step_count, timer.global_step_count, *measured, len(lines)])
+        timer.update_epoch_count()
+        average = timer.avg_samples_per_sec()
+        trace.append([timer.epoch_count, timer.micro_step_count, average > 0, average == float("-inf")])
+        trace.append([line.split(", Running")[0] for line in lines])
+        out[f"run_{enabled}_{start_step}_{per_output}_{accumulation}"] = trace
+    return out
+
+
 def local_cases(root: str) -> dict[str, Any]:
     """Every single-process case against DeepSpeed module tree ``root`` (``deepspeed`` or
     ``zeroshard.deepspeed``)."""
@@ -385,6 +439,8 @@ def local_cases(root: str) -> dict[str, Any]:
                 "comm_utils": comm_utils_cases(root),
                 "nvtx_device": nvtx_and_device_cases(root),
                 "runtime_utils": runtime_utils_cases(root, tmp),
+                "torch_utils": torch_utils_cases(root),
+                "throughput_timer": throughput_timer_cases(root),
             }
         )
 

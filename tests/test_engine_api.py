@@ -230,3 +230,33 @@ def test_engine_feeds_the_csv_monitor_and_timers(tmp_path: Any) -> None:
     first = rows[1].split(",")
     assert int(first[0]) == 4 and float(first[1]) == pytest.approx((losses[0] + losses[1]) / 2, rel=1e-5)
     assert set(engine.telemetry.timings()) >= {"forward", "backward", "reduce", "step"}
+
+
+def test_throughput_timer_follows_forward_and_step() -> None:
+    """engine.tput_timer runs from each forward to its step(), as DeepSpeed's engine drives it;
+    ``timers.throughput.enabled: false`` counts nothing."""
+    for enabled in (True, False):
+        config = _config(1, 3, optimizer={"type": "SGD", "params": {"lr": 0.1}})
+        config["timers"] = {"throughput": {"enabled": enabled, "synchronized": True}}
+        model = make_model(0)
+        engine, _, _, _ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=config)
+        timer = engine.tput_timer
+        assert (timer.batch_size, timer.start_step, timer.initialized) == (6, 2, False)
+        for step in range(4):
+            for micro in range(3):
+                loss = engine(*batch(step, micro, 0))
+                assert timer.started is enabled
+                engine.backward(loss)
+                time.sleep(0.002)
+                engine.step()
+                assert not timer.started
+            expected = (3 * (step + 1), step + 1) if enabled else (0, 0)
+            assert (timer.micro_step_count, timer.global_step_count) == expected
+            assert (timer.total_elapsed_time > 0) is (enabled and step >= 2), step
+        if enabled:
+            # Two measured optimizer steps of three micro-steps, each over 2 ms between forward and step.
+            assert 0.012 <= timer.total_elapsed_time
+            assert timer.avg_samples_per_sec() == pytest.approx(6 / (timer.total_elapsed_time / 2))
+        else:
+            assert timer.avg_samples_per_sec() == float("-inf")
+        engine.destroy()

@@ -70,15 +70,15 @@ class ZeroshardEngine(EngineMeasurements, DeepSpeedQueries, CheckpointMethods):
         loss_scaler: LossScaler | None = None,
         gatherer: ParameterGatherer | None = None,
         offload: Offload | None = None,
-        trained: TrainedParameters | None = None,
-        sharding: ShardGroups | None = None,
+        trained: TrainedParameters,
+        sharding: ShardGroups,
     ) -> None:
         super().__init__()
         self.module = module
         self.config = config
         self.plan = plan
         self.comm = comm  # every data-parallel rank; the units may shard over fewer (hybrid.py)
-        self.sharding = sharding or ShardGroups(comm, comm)
+        self.sharding = sharding
         self.units = list(units)
         self.reducer = reducer
         self.sharded_step = sharded_step
@@ -91,8 +91,7 @@ class ZeroshardEngine(EngineMeasurements, DeepSpeedQueries, CheckpointMethods):
         self.loss_scaler = loss_scaler
         self.gatherer = gatherer
         self.offload = offload or Offload()
-        # Which unit holds each parameter, for GatheredParameters ([Note: parameter owners]).
-        self.trained = trained or TrainedParameters(self.units, gatherer, comm)
+        self.trained = trained  # which unit holds each parameter ([Note: parameter owners])
         # The loader initialize(training_data=...) built, if any: checkpoints carry its position (data.py).
         self.training_dataloader: ResumableDataLoader | None = None
         self.telemetry = Telemetry.from_config(config, rank=comm.rank, world_size=comm.world_size, comm=comm)
@@ -108,10 +107,7 @@ class ZeroshardEngine(EngineMeasurements, DeepSpeedQueries, CheckpointMethods):
         self._cast_inputs = torch.float16 if config.fp16.enabled and config.fp16.auto_cast else None
         self.global_rank = comm.rank
         self.world_size = comm.world_size
-        self.global_steps = 0
-        self.micro_steps = 0
-        self.global_samples = 0
-        self.skipped_steps = 0
+        self.global_steps = self.micro_steps = self.global_samples = self.skipped_steps = 0
         self._grad_norm: float | None = None
         self._backward_since_step = False
         self._no_sync = False
@@ -121,6 +117,7 @@ class ZeroshardEngine(EngineMeasurements, DeepSpeedQueries, CheckpointMethods):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._cast_inputs is not None:  # fp16.auto_cast: floating inputs follow the fp16 parameters
             args, kwargs = cast_floating((args, kwargs), self._cast_inputs)
+        self.tput_timer.start()  # DeepSpeed's throughput timer: forward to step() (telemetry/throughput.py)
         with self.telemetry.timer("forward"), self.comm.monitor.api("engine.forward", self.global_steps):
             return self._forward(args, kwargs)
 
@@ -199,7 +196,8 @@ class ZeroshardEngine(EngineMeasurements, DeepSpeedQueries, CheckpointMethods):
             )
         if not self._backward_since_step:
             self._take_plain_gradients()  # loss.backward() instead of engine.backward(loss)
-        if self.is_gradient_accumulation_boundary():
+        boundary = self.is_gradient_accumulation_boundary()
+        if boundary:
             lr = self.get_lr()  # the rate this step applies: the scheduler moves it inside the step
             with self.telemetry.timer("step"):
                 self._take_model_step(lr_kwargs)
@@ -207,6 +205,7 @@ class ZeroshardEngine(EngineMeasurements, DeepSpeedQueries, CheckpointMethods):
             self._report_step(lr)
         self.micro_steps += 1
         self._backward_since_step = False
+        self.tput_timer.stop(global_step=boundary, report_speed=False)  # steps_per_print reports the rate
 
     def _refuse_direct_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         """The optimizer steps the master shards inside ``engine.step()`` only, which first reduces, unscales

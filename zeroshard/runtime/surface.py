@@ -11,7 +11,6 @@ does, so ``engine.generate(...)`` or ``engine.config_class`` reach the model.
 from __future__ import annotations
 
 import gc
-import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
@@ -26,6 +25,7 @@ from zeroshard.runtime.state_offload import (
     StateOffload,
     require_offloadable,
 )
+from zeroshard.telemetry.throughput import ThroughputTimer
 
 if TYPE_CHECKING:
     from zeroshard.config import ZeroshardConfig
@@ -35,41 +35,7 @@ if TYPE_CHECKING:
     from zeroshard.core.loss_scaler import LossScaler
     from zeroshard.core.stages import StagePlan
 
-__all__ = ["DeepSpeedSurface", "ThroughputTimer"]
-
-
-class ThroughputTimer:
-    """``engine.tput_timer``: samples per second over the optimizer steps taken so far.
-
-    Measured from the engine's counters and the wall clock since the first ``avg_samples_per_sec`` call
-    or ``start``; DeepSpeed's own timer is driven by the step, which this one does not need.
-    """
-
-    def __init__(self, engine: DeepSpeedSurface) -> None:
-        self._engine = engine
-        self._t0: float | None = None
-        self._samples0 = 0
-
-    @property
-    def batch_size(self) -> int:
-        return int(self._engine.config.train_batch_size)
-
-    @property
-    def global_step_count(self) -> int:
-        return int(self._engine.global_steps)
-
-    def start(self) -> None:
-        if self._t0 is None:
-            self._t0, self._samples0 = time.perf_counter(), int(self._engine.global_samples)
-
-    def stop(self, global_step: bool = False, report_speed: bool = True) -> None:
-        return None
-
-    def avg_samples_per_sec(self) -> float:
-        self.start()
-        elapsed = time.perf_counter() - (self._t0 or 0.0)
-        samples = int(self._engine.global_samples) - self._samples0
-        return samples / elapsed if elapsed > 0 and samples > 0 else 0.0
+__all__ = ["DeepSpeedSurface"]
 
 
 class DeepSpeedSurface(nn.Module):
@@ -273,8 +239,14 @@ class DeepSpeedSurface(nn.Module):
 
     @property
     def tput_timer(self) -> ThroughputTimer:
+        """DeepSpeed's throughput timer, started by ``forward`` and stopped by ``step`` ([Note: throughput
+        timer])."""
         if self._tput_timer is None:
-            self._tput_timer = ThroughputTimer(self)
+            self._tput_timer = ThroughputTimer(
+                self.config.timers.throughput,
+                batch_size=self.config.train_batch_size,
+                steps_per_output=self.config.steps_per_print,
+            )
         return self._tput_timer
 
     # -- consolidated weights --------------------------------------------------------------------------

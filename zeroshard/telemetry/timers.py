@@ -10,7 +10,7 @@ from contextlib import AbstractContextManager
 
 import torch
 
-__all__ = ["DISABLED", "TIMER_NAMES", "Timers"]
+__all__ = ["DISABLED", "TIMER_NAMES", "Timers", "synchronize_device"]
 
 TIMER_NAMES = ("forward", "backward", "reduce", "step")
 """The phases the engine times; any other name is accepted too."""
@@ -41,12 +41,12 @@ class Timers:
 
     @contextlib.contextmanager
     def _timed(self, name: str) -> Iterator[None]:
-        _synchronize()
+        synchronize_device()
         start = time.perf_counter()
         try:
             yield
         finally:
-            _synchronize()
+            synchronize_device()
             self._totals[name] += time.perf_counter() - start
             self._counts[name] += 1
 
@@ -65,7 +65,8 @@ class Timers:
         return dict(self._counts)
 
 
-def _synchronize() -> None:
+def synchronize_device() -> None:
+    """Wait for the CUDA device's queued work, where a CUDA context exists already (never makes one)."""
     # Only a CUDA context that exists already: timing must not create one on a CPU run.
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
