@@ -7,12 +7,13 @@
 # `bash tools/gpu_wheels.sh` and carry `.whl`: this script installs them under /tmp/site when `.whl/` exists.
 #
 # Stages, each run even after one failed (the script fails if any did), each `timeout` 15 s above its own limit:
-# 1. tests/test_cuda.py, stopped at 115 s; its output in OUT_DIR/test_cuda.log.
-# 2. bench/gpu.py's rows, the offload_param ones first, for what the tests left of BENCH_GPU_TESTS_ROWS_S (200):
+# 1. tests/test_cuda.py, stopped at 150 s; its output in OUT_DIR/test_cuda.log (each figure as it is measured).
+# 2. bench/gpu.py's rows, the offload_param ones first, for what the tests left of BENCH_GPU_TESTS_ROWS_S (240):
 #    a row not finished then is recorded as not run (each takes ~15-60 s on an H100, so not all ten fit;
 #    `python bench/gpu.py` runs them all). Into OUT_DIR/gpu_check.json (not gpu.json, whose table on the
-#    benchmarks page keeps the full set).
-# 3. bench/gpu_largest.py --budget-s BENCH_GPU_LARGEST_S (240), into OUT_DIR/gpu_largest.json.
+#    benchmarks page keeps the full set), its output in OUT_DIR/gpu.log.
+# 3. bench/gpu_largest.py --budget-s BENCH_GPU_LARGEST_S (210), into OUT_DIR/gpu_largest.json (each try written
+#    as it ends) and OUT_DIR/gpu_largest.log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-bench/results}
@@ -26,14 +27,18 @@ else
 fi
 export PYTHONUNBUFFERED=1
 rows=${BENCH_GPU_ROWS:-zero3_offload_param,zero3_offload_all,zero3_offload,zero3_bf16,torch,zero2_offload,zero2_bf16,zero2_fp16,zero1_bf16,zero0_bf16}
-rows_s=${BENCH_GPU_TESTS_ROWS_S:-200}
-largest_s=${BENCH_GPU_LARGEST_S:-240}
+rows_s=${BENCH_GPU_TESTS_ROWS_S:-240}
+largest_s=${BENCH_GPU_LARGEST_S:-210}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+grep -E 'MemTotal|MemAvailable' /proc/meminfo || true  # the host memory bench/gpu_largest.py plans with
 "$py" -c "import torch, zeroshard; print('torch', torch.__version__, 'zeroshard', zeroshard.__version__)" || exit 1
 rc=0
 start=$(date +%s)
-timeout -k 5 115 "$py" -m pytest -s -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tee "$out/test_cuda.log" || rc=1
+timeout -k 5 150 "$py" -m pytest -s -q -p no:cacheprovider --durations=0 tests/test_cuda.py 2>&1 |
+    tee "$out/test_cuda.log" || rc=1
 left=$((rows_s - $(date +%s) + start))
-timeout -k 5 $((left + 15)) "$py" bench/gpu.py --rows "$rows" --time-limit-s "$left" --out "$out/gpu_check.json" || rc=1
-timeout -k 5 $((largest_s + 15)) "$py" bench/gpu_largest.py --budget-s "$largest_s" --out "$out/gpu_largest.json" || rc=1
+timeout -k 5 $((left + 15)) "$py" bench/gpu.py --rows "$rows" --time-limit-s "$left" --out "$out/gpu_check.json" 2>&1 |
+    tee "$out/gpu.log" || rc=1
+timeout -k 5 $((largest_s + 15)) "$py" bench/gpu_largest.py --budget-s "$largest_s" --out "$out/gpu_largest.json" 2>&1 |
+    tee "$out/gpu_largest.log" || rc=1
 exit $rc

@@ -248,6 +248,8 @@ class LargestRun:
         )
         if outcome == "error":
             print(child.tail(), flush=True)
+        if self.args.out:  # each try kept at once: a run killed from outside still leaves what it found
+            Path(self.args.out).write_text(json.dumps(self.doc(), indent=2))
         return True
 
     def doc(self) -> dict[str, Any]:
@@ -304,8 +306,10 @@ def main() -> None:
     nvme_path = tempfile.mkdtemp(prefix="zeroshard-gpu-largest-", dir=base)
     try:
         run = LargestRun(args, model, nvme_path)
-        run.run()
-        write_results("gpu_largest", args.out, run.doc())
+        try:
+            run.run()
+        finally:  # also when stopped by SIGTERM (on_sigterm raises SystemExit)
+            write_results("gpu_largest", args.out, run.doc())
     finally:
         shutil.rmtree(nvme_path, ignore_errors=True)
 

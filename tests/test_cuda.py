@@ -40,6 +40,15 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 VOCAB, WIDTH, STEPS, LR = 50, 64, 3, 1e-2
 
 
+class _Report(dict[str, Any]):
+    """A worker's figures, each also printed as it is recorded: a run stopped by its time limit (one try on
+    a lent GPU) still shows how far it got and what it measured."""
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        print(f"[cuda] {key}: {value}", flush=True)
+        super().__setitem__(key, value)
+
+
 class Block(nn.Module):
     def __init__(self, width: int = WIDTH) -> None:
         super().__init__()
@@ -219,7 +228,7 @@ def _parameter_residue(engine: Any, base: int) -> tuple[int, int]:
 def offload_param_worker(rank: int, world_size: int) -> tuple[dict[str, float], list[str]]:
     """The sub-cases of ``offload_param.device: cpu``; returns the figures and every failed check (all of them
     run: one GPU run shows every problem)."""
-    report: dict[str, float] = {}
+    report = _Report()
     failures: list[str] = []
     init = {n: p.detach().float().reshape(-1) for n, p in _model().named_parameters()}
 
@@ -328,7 +337,7 @@ def test_parameters_offloaded_to_pinned_cpu_memory() -> None:
 
 
 def cuda_worker(rank: int, world_size: int, nvme_dir: str) -> dict[str, Any]:
-    report: dict[str, Any] = {}
+    report = _Report()
     init = {n: p.detach().float().reshape(-1) for n, p in _model().named_parameters()}
 
     # Where things live: the engine moves the model to cuda:LOCAL_RANK, as DeepSpeed does.
@@ -426,7 +435,7 @@ def offload_states_worker(rank: int, world_size: int) -> dict[str, float]:
 
     os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # before the first matmul: deterministic cuBLAS
     torch.use_deterministic_algorithms(True, warn_only=True)
-    report: dict[str, float] = {}
+    report = _Report()
     for stage, precision, gas in ((1, "fp32", 1), (2, "bf16", 2), (3, "fp32", 2), (3, "bf16", 1)):
         what = f"offload_states stage {stage} {precision} gas {gas}"
         config = _config(stage, precision, gas=gas, clip=1.0)
