@@ -239,7 +239,7 @@ def test_throughput_timer_follows_forward_and_step() -> None:
         config = _config(1, 3, optimizer={"type": "SGD", "params": {"lr": 0.1}})
         config["timers"] = {"throughput": {"enabled": enabled, "synchronized": True}}
         model = make_model(0)
-        engine, _, _, _ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=config)
+        engine, *_ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=config)
         timer = engine.tput_timer
         assert (timer.batch_size, timer.start_step, timer.initialized) == (6, 2, False)
         for step in range(4):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from zeroshard.optim_factory import build_optimizer
-from zeroshard.optimizers import DeepSpeedAdam, Lamb, Lion
+from zeroshard.optimizers import DeepSpeedAdam, DeepSpeedCPUAdam, FusedAdam, Lamb, Lion
 
 # ---------------------------------------------------------------------------------------------
 # Helpers
@@ -35,11 +35,14 @@ def _set_grads(params: list[torch.Tensor], seed: int) -> None:
 @pytest.mark.parametrize(
     ("type_name", "params", "expected_cls", "expected"),
     [
-        ("Adam", {}, torch.optim.AdamW, {"weight_decay": 0.0, "lr": 1e-3, "amsgrad": False}),
-        ("adam", {"adam_w_mode": True, "weight_decay": 0.1}, torch.optim.AdamW, {"weight_decay": 0.1}),
-        ("Adam", {"adam_w_mode": False, "weight_decay": 0.1}, torch.optim.Adam, {"weight_decay": 0.1}),
-        ("AdamW", {}, torch.optim.AdamW, {"weight_decay": 0.0}),
-        ("ADAMW", {"lr": 3e-4, "betas": [0.8, 0.95]}, torch.optim.AdamW, {"lr": 3e-4, "betas": (0.8, 0.95)}),
+        ("Adam", {}, FusedAdam, {"weight_decay": 0.0, "lr": 1e-3, "amsgrad": False, "fused": True}),
+        ("adam", {"adam_w_mode": True, "weight_decay": 0.1}, FusedAdam, {"decoupled_weight_decay": True}),
+        ("Adam", {"adam_w_mode": False, "weight_decay": 0.1}, FusedAdam, {"decoupled_weight_decay": False}),
+        ("AdamW", {}, FusedAdam, {"weight_decay": 0.0, "adam_w_mode": True, "bias_correction": True}),
+        ("ADAMW", {"lr": 3e-4, "betas": [0.8, 0.95]}, FusedAdam, {"lr": 3e-4, "betas": (0.8, 0.95)}),
+        ("Adam", {"foreach": False, "eps": 1e-6}, FusedAdam, {"eps": 1e-6}),
+        ("Adam", {"maximize": True}, torch.optim.AdamW, {"maximize": True, "fused": True}),
+        ("Adam", {"foreach": True}, torch.optim.AdamW, {"foreach": True, "fused": None}),
         ("Adam", {"torch_adam": True}, torch.optim.AdamW, {"weight_decay": 0.01}),
         ("Adam", {"torch_adam": True, "adam_w_mode": False}, torch.optim.Adam, {"weight_decay": 0}),
         (
@@ -48,11 +51,11 @@ def _set_grads(params: list[torch.Tensor], seed: int) -> None:
             torch.optim.AdamW,
             {"amsgrad": True},
         ),
-        ("Adam", {"bias_correction": False}, DeepSpeedAdam, {"bias_correction": False, "adam_w_mode": True}),
+        ("Adam", {"bias_correction": False}, FusedAdam, {"bias_correction": False, "adam_w_mode": True}),
         (
             "Adam",
             {"bias_correction": False, "adam_w_mode": False, "weight_decay": 0.1},
-            DeepSpeedAdam,
+            FusedAdam,
             {"adam_w_mode": False, "weight_decay": 0.1},
         ),
         (
@@ -79,6 +82,10 @@ def test_type_mapping(
 ) -> None:
     opt = build_optimizer(type_name, params, _groups(3), stage=0)
     assert type(opt) is expected_cls
+    if expected_cls is FusedAdam:  # DeepSpeed's CPU class where the optimizer is offloaded, as in DeepSpeed
+        assert (
+            type(build_optimizer(type_name, params, _groups(3), stage=1, offloaded=True)) is DeepSpeedCPUAdam
+        )
     for key, value in expected.items():
         assert opt.defaults[key] == value, key
     if "betas" in opt.defaults:
@@ -88,7 +95,7 @@ def test_type_mapping(
 def test_adamw_ignores_adam_w_mode_false_with_warning(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, logger="zeroshard.optim_factory"):
         opt = build_optimizer("AdamW", {"adam_w_mode": False}, _groups(3), stage=2)
-    assert type(opt) is torch.optim.AdamW
+    assert type(opt) is FusedAdam and opt.defaults["decoupled_weight_decay"]
     assert "adam_w_mode=false is ignored" in caplog.text
 
 
@@ -281,22 +288,51 @@ def _random_run(
 @pytest.mark.parametrize("decoupled", [True, False])
 @pytest.mark.parametrize("bias_correction", [False, True])
 def test_deepspeed_adam_matches_reference(decoupled: bool, bias_correction: bool) -> None:
+    """zeroshard's foreach DeepSpeedAdam and the classes a config's "Adam" builds (DeepSpeed's FusedAdam and,
+    offloaded, DeepSpeedCPUAdam: torch's fused kernel, or the foreach update without bias correction)."""
     init, grads = _random_run((7, 15), steps=5)
-    params = [t.clone() for t in init]
     config: dict[str, Any] = {"lr": 0.01, "betas": [0.8, 0.95], "eps": 1e-6, "weight_decay": 0.1}
     config |= {"bias_correction": bias_correction, "adam_w_mode": decoupled}
-    if bias_correction:  # build_optimizer picks torch's class then; test ours directly too
-        opt: torch.optim.Optimizer = DeepSpeedAdam(params, **{**config, "betas": (0.8, 0.95)})
-    else:
-        opt = build_optimizer("Adam", config, [{"params": params}], stage=2)
-        assert isinstance(opt, DeepSpeedAdam)
-    _run(params, opt, grads)
-    for i, p in enumerate(params):
-        expected = _reference_ds_adam(
-            init[i], [g[i] for g in grads], lr=0.01, betas=(0.8, 0.95), eps=1e-6, wd=0.1,
-            bias_correction=bias_correction, decoupled=decoupled,
-        )  # fmt: skip
-        torch.testing.assert_close(p, expected, rtol=1e-6, atol=1e-7)
+    runs: list[tuple[type, Any]] = [
+        (DeepSpeedAdam, lambda ps: DeepSpeedAdam(ps, **{**config, "betas": (0.8, 0.95)})),
+        (FusedAdam, lambda ps: build_optimizer("Adam", config, [{"params": ps}], stage=2)),
+        (
+            DeepSpeedCPUAdam,
+            lambda ps: build_optimizer("Adam", config, [{"params": ps}], stage=2, offloaded=True),
+        ),
+    ]
+    for cls, make in runs:
+        params = [t.clone() for t in init]
+        opt = make(params)
+        assert type(opt) is cls
+        _run(params, opt, grads)
+        for i, p in enumerate(params):
+            expected = _reference_ds_adam(
+                init[i], [g[i] for g in grads], lr=0.01, betas=(0.8, 0.95), eps=1e-6, wd=0.1,
+                bias_correction=bias_correction, decoupled=decoupled,
+            )  # fmt: skip
+            torch.testing.assert_close(p, expected, rtol=1e-6, atol=1e-7, msg=lambda m, c=cls: f"{c}: {m}")
+
+
+def test_fused_adam_is_torch_fused_adam_bit_for_bit() -> None:
+    """What the config's "Adam" builds gives exactly torch's fused AdamW / Adam, state included, and a
+    state_dict either loads (checkpoints written with torch's class resume into DeepSpeed's and back)."""
+    init, grads = _random_run((9, 33), steps=4, seed=3)
+    for decoupled, torch_cls in ((True, torch.optim.AdamW), (False, torch.optim.Adam)):
+        ours, theirs = [t.clone() for t in init], [t.clone() for t in init]
+        opt = FusedAdam(ours, lr=0.02, weight_decay=0.1, adam_w_mode=decoupled)
+        ref = torch_cls(theirs, lr=0.02, weight_decay=0.1, fused=True)
+        _run(ours, opt, grads[:2])
+        _run(theirs, ref, grads[:2])
+        ref.load_state_dict(copy.deepcopy(opt.state_dict()))  # ours into torch's, then go on
+        _run(ours, opt, grads[2:])
+        _run(theirs, ref, grads[2:])
+        for a, b in zip(ours, theirs, strict=True):
+            assert torch.equal(a, b), torch_cls
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(opt.state[ours[1]][key], ref.state[theirs[1]][key]), key
+    with pytest.raises(RuntimeError, match="AMSGrad"):
+        FusedAdam([torch.zeros(2)], amsgrad=True)
 
 
 def test_deepspeed_adam_with_bias_correction_tracks_torch_adamw() -> None:

@@ -65,8 +65,6 @@ ALLOWED: dict[str, int] = {
     "zeroshard.optim_factory:build_optimizer": 64,
     # A 25-line Args docstring; argument validation could be a helper.
     "zeroshard.estimate:estimate_memory": 63,
-    # Sets the engine's attributes, with comments; issue 31 item 1 moves the engine to runtime/.
-    "zeroshard.runtime.engine:ZeroshardEngine.__init__": 62,
 }
 
 

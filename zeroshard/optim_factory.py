@@ -28,7 +28,7 @@ from zeroshard.config.params import (
     keyword_defaults,
     resolve_name,
 )
-from zeroshard.optimizers import DeepSpeedAdam, Lamb, Lion
+from zeroshard.optimizers import DeepSpeedCPUAdam, FusedAdam, Lamb, Lion
 
 __all__ = ["build_optimizer", "check_optimizer_for_stage"]
 
@@ -86,22 +86,22 @@ def build_optimizer(
     param_groups: list[dict[str, Any]],
     *,
     stage: int,
+    offloaded: bool = False,
 ) -> torch.optim.Optimizer:
     """Build the optimizer for ``{"optimizer": {"type": type_name, "params": params}}``.
 
     Follows DeepSpeed's mapping:
 
-    - ``Adam``: decoupled weight decay (torch.optim.AdamW) unless ``adam_w_mode`` is false,
-      then L2 (torch.optim.Adam). ``AdamW`` is always decoupled; DeepSpeed ignores
-      ``adam_w_mode: false`` there, and so does this (with a warning).
-      ``bias_correction: false`` selects :class:`~zeroshard.optimizers.DeepSpeedAdam`.
-      Defaults are DeepSpeed FusedAdam's: lr 1e-3, betas (0.9, 0.999), eps 1e-8 and
-      **weight_decay 0.0** (torch.optim.AdamW's own default is 0.01). With
-      ``torch_adam: true`` DeepSpeed uses torch's class with torch's defaults, and so does this.
-      ``torch_adam``, ``adam_w_mode``, ``fused`` and ``set_grad_none`` are read here and not
-      passed on; ``amsgrad`` is passed to torch. torch's class runs its fused kernel
-      (``fused=True``) unless ``foreach``, ``capturable`` or ``differentiable`` is asked for: on
-      CPU it matches DeepSpeed's compiled CPU Adam (bench/cpu_adam.py).
+    - ``Adam``: DeepSpeed's class, :class:`~zeroshard.optimizers.FusedAdam` (with ``offloaded``,
+      :class:`~zeroshard.optimizers.DeepSpeedCPUAdam`): decoupled weight decay unless ``adam_w_mode``
+      is false, then L2; ``bias_correction`` as given. ``AdamW`` is always decoupled; DeepSpeed ignores
+      ``adam_w_mode: false`` there, and so does this (with a warning). Defaults are DeepSpeed
+      FusedAdam's: lr 1e-3, betas (0.9, 0.999), eps 1e-8 and **weight_decay 0.0** (torch.optim.AdamW's
+      own default is 0.01). Both classes run torch's fused kernel and equal torch.optim.AdamW (Adam)
+      with ``fused=True`` ([Note: DeepSpeed's Adam classes]). With ``torch_adam: true`` DeepSpeed uses
+      torch's class with torch's defaults, and so does this; so does an option only torch's class has
+      (``amsgrad``, ``foreach``, ``maximize``, ``capturable``, ``differentiable``), which is passed on.
+      ``torch_adam``, ``adam_w_mode``, ``fused`` and ``set_grad_none`` are read here, not passed on.
     - ``Lamb``: :class:`~zeroshard.optimizers.Lamb` (DeepSpeed FusedLamb); stage 0 only.
     - ``Lion``: :class:`~zeroshard.optimizers.Lion` (DeepSpeed FusedLion's defaults).
     - ``Adagrad``, ``SGD`` and the other elementwise torch.optim classes: that class with
@@ -116,6 +116,8 @@ def build_optimizer(
             engine, None for a parameter without gradient, which is then skipped). For a
             whole-parameter optimizer (Lamb) each tensor must be one whole parameter.
         stage: ZeRO stage, 0-3.
+        offloaded: The optimizer steps in CPU memory (``offload_optimizer``): ``Adam`` is DeepSpeed's CPU
+            class, as in DeepSpeed.
 
     Returns:
         The optimizer, constructed over ``param_groups``.
@@ -137,7 +139,7 @@ def build_optimizer(
             "it too); set the top-level `gradient_clipping` instead"
         )
     if name in ("Adam", "AdamW"):
-        cls, kwargs = _adam_kwargs(name, params)
+        cls, kwargs = _adam_kwargs(name, params, DeepSpeedCPUAdam if offloaded else FusedAdam)
         check_optimizer_for_stage(cls, stage, type_label=name)
     else:
         cls = {"Lamb": Lamb, "Lion": Lion}.get(name) or getattr(torch.optim, name)
@@ -173,8 +175,11 @@ def check_optimizer_for_stage(cls: type[torch.optim.Optimizer], stage: int, *, t
         )
 
 
-def _adam_kwargs(name: str, params: Mapping[str, Any]) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
-    """Choose the Adam class as DeepSpeed does and return it with checked kwargs."""
+def _adam_kwargs(
+    name: str, params: Mapping[str, Any], kernel: type[torch.optim.Optimizer]
+) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
+    """Choose the Adam class as DeepSpeed does and return it with checked kwargs: ``kernel`` (FusedAdam or
+    DeepSpeedCPUAdam) unless torch's class is asked for, by ``torch_adam`` or by an option only it has."""
     rest = dict(params)
     torch_adam = _pop_bool(rest, "torch_adam", False)
     adam_w_mode = _pop_bool(rest, "adam_w_mode", True)
@@ -206,19 +211,23 @@ def _adam_kwargs(name: str, params: Mapping[str, Any]) -> tuple[type[torch.optim
                 f"{_SECTION}.amsgrad: true needs bias_correction true (DeepSpeed's FusedAdam "
                 "supports neither combination)"
             )
-        cls = DeepSpeedAdam
-        accepted = keyword_defaults(cls.__init__, skip=("params", "adam_w_mode", "bias_correction"))
+        cls = kernel
+        shared = ("lr", "betas", "eps", "weight_decay")
+        accepted = {k: v for k, v in keyword_defaults(FusedAdam.__init__).items() if k in shared}
     owner = f"{_class_label(cls)} [optimizer.type {name!r}]"
     check_keys(_SECTION, rest, [*accepted, *_ADAM_DEEPSPEED_KEYS], owner)
     kwargs = checked_kwargs(_SECTION, rest, accepted)
     if not torch_adam:
         kwargs.setdefault("weight_decay", 0.0)  # DeepSpeed FusedAdam's default, not AdamW's 0.01
-    if bias_correction and not any(kwargs.get(k) for k in ("foreach", "differentiable", "capturable")):
-        # torch's fused kernel: as fast as DeepSpeed's compiled CPU Adam on our shards (bench/cpu_adam.py),
-        # 3-4x torch's default CPU loop; within 2e-7 relative of it.
-        kwargs["fused"] = True
-    if not bias_correction:
-        kwargs.update(bias_correction=False, adam_w_mode=decoupled)
+    torch_only = {k: v for k, v in kwargs.items() if k not in ("lr", "betas", "eps", "weight_decay")}
+    if not torch_adam and not any(torch_only.values()):
+        # DeepSpeed's class (fused_adam.py [Note: DeepSpeed's Adam classes]): torch's fused kernel, as fast as
+        # DeepSpeed's compiled CPU Adam on our shards (bench/cpu_adam.py), 3-4x torch's default CPU loop.
+        kept = {k: v for k, v in kwargs.items() if k not in torch_only}
+        mode = "adamw_mode" if kernel is DeepSpeedCPUAdam else "adam_w_mode"  # DeepSpeed's two spellings
+        return kernel, {**kept, "bias_correction": bias_correction, mode: decoupled}
+    if not any(kwargs.get(k) for k in ("foreach", "differentiable", "capturable")):
+        kwargs["fused"] = True  # torch's class, still on the fused kernel
     return cls, kwargs
 
 

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from zeroshard.optimizers._base import GroupwiseOptimizer
 
-__all__ = ["DeepSpeedAdam"]
+__all__ = ["DeepSpeedAdam", "adam_update"]
 
 
 class DeepSpeedAdam(GroupwiseOptimizer):
@@ -74,32 +74,49 @@ class DeepSpeedAdam(GroupwiseOptimizer):
 
     def _step_group(self, group: dict[str, Any]) -> None:
         params, grads, exp_avgs, exp_avg_sqs, steps = self._adam_moments(group)
-        if not params:
-            return
-        beta1, beta2 = group["betas"]
-        lr = _as_float(group["lr"])
-        weight_decay = group["weight_decay"]
-        decoupled = group["adam_w_mode"]
+        if params:
+            adam_update(
+                group, params, grads, exp_avgs, exp_avg_sqs, steps, bias_correction=group["bias_correction"]
+            )
 
-        if weight_decay != 0.0 and not decoupled:
-            grads = list(torch._foreach_add(grads, params, alpha=weight_decay))
-        torch._foreach_mul_(exp_avgs, beta1)
-        torch._foreach_add_(exp_avgs, grads, alpha=1.0 - beta1)
-        torch._foreach_mul_(exp_avg_sqs, beta2)
-        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1.0 - beta2)
 
-        if group["bias_correction"]:
-            numerators = list(torch._foreach_div(exp_avgs, [1.0 - beta1**t for t in steps]))
-            denominators = list(torch._foreach_div(exp_avg_sqs, [1.0 - beta2**t for t in steps]))
-            torch._foreach_sqrt_(denominators)
-        else:
-            numerators = exp_avgs
-            denominators = list(torch._foreach_sqrt(exp_avg_sqs))
-        torch._foreach_add_(denominators, group["eps"])
-        updates = torch._foreach_div(numerators, denominators)
-        if weight_decay != 0.0 and decoupled:
-            torch._foreach_add_(updates, params, alpha=weight_decay)
-        torch._foreach_add_(params, updates, alpha=-lr)
+def adam_update(
+    group: dict[str, Any],
+    params: list[Tensor],
+    grads: list[Tensor],
+    exp_avgs: list[Tensor],
+    exp_avg_sqs: list[Tensor],
+    steps: list[int],
+    *,
+    bias_correction: bool,
+) -> None:
+    """One :class:`DeepSpeedAdam` update of ``params`` in place (the formula in its docstring), with the
+    group's ``lr``, ``betas``, ``eps``, ``weight_decay`` and ``adam_w_mode``; ``steps`` already counts this
+    step (read only with ``bias_correction``). Call under ``torch.no_grad()``."""
+    beta1, beta2 = group["betas"]
+    lr = _as_float(group["lr"])
+    weight_decay = group["weight_decay"]
+    decoupled = group["adam_w_mode"]
+
+    if weight_decay != 0.0 and not decoupled:
+        grads = list(torch._foreach_add(grads, params, alpha=weight_decay))
+    torch._foreach_mul_(exp_avgs, beta1)
+    torch._foreach_add_(exp_avgs, grads, alpha=1.0 - beta1)
+    torch._foreach_mul_(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1.0 - beta2)
+
+    if bias_correction:
+        numerators = list(torch._foreach_div(exp_avgs, [1.0 - beta1**t for t in steps]))
+        denominators = list(torch._foreach_div(exp_avg_sqs, [1.0 - beta2**t for t in steps]))
+        torch._foreach_sqrt_(denominators)
+    else:
+        numerators = exp_avgs
+        denominators = list(torch._foreach_sqrt(exp_avg_sqs))
+    torch._foreach_add_(denominators, group["eps"])
+    updates = torch._foreach_div(numerators, denominators)
+    if weight_decay != 0.0 and decoupled:
+        torch._foreach_add_(updates, params, alpha=weight_decay)
+    torch._foreach_add_(params, updates, alpha=-lr)
 
 
 def _as_float(value: float | Tensor) -> float:

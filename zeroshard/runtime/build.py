@@ -339,10 +339,11 @@ def _build_optimizer(
             f"optimizer= must be a torch.optim.Optimizer or a callable params -> Optimizer, got "
             f"{type(optimizer).__name__}"
         )
-    if cfg.optimizer is None:
+    if (block := cfg.optimizer) is None:
         return None
+    on_host = plan.shard_optimizer and cfg.zero_optimization.offload_optimizer.device != "none"
     try:
-        return build_optimizer(cfg.optimizer.type, cfg.optimizer.params, sharded_groups, stage=plan.stage)
+        return build_optimizer(block.type, block.params, sharded_groups, stage=plan.stage, offloaded=on_host)
     except (TypeError, ValueError) as err:
         raise _does_not_fit(err) from err
 
