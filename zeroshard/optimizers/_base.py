@@ -34,25 +34,32 @@ class GroupwiseOptimizer(torch.optim.Optimizer):
 
     def _adam_moments(
         self, group: dict[str, Any]
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], list[int]]:
-        """The group's parameters that have a gradient, with their gradients, first and second moments
-        (created as zeros on first use) and step counts, each count advanced by one: what an Adam-family
-        update reads. Raises ``RuntimeError`` on a sparse gradient."""
-        params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            if p.grad.is_sparse:
-                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
-            state = self.state[p]
-            if not state:
-                state["step"] = 0
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["step"] += 1
-            params.append(p)
-            grads.append(p.grad)
-            exp_avgs.append(state["exp_avg"])
-            exp_avg_sqs.append(state["exp_avg_sq"])
-            steps.append(state["step"])
-        return params, grads, exp_avgs, exp_avg_sqs, steps
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], list[Any]]:
+        """:func:`adam_moments` with step counts kept as ints."""
+        return adam_moments(self, group, lambda p: 0)
+
+
+def adam_moments(
+    optimizer: torch.optim.Optimizer, group: dict[str, Any], first_step: Callable[[torch.Tensor], Any]
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], list[Any]]:
+    """The group's parameters that have a gradient, with their gradients, first and second moments
+    (created as zeros on first use, the step count as ``first_step(param)``) and step counts, each count
+    advanced by one: what an Adam-family update reads. Raises ``RuntimeError`` on a sparse gradient."""
+    params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
+    for p in group["params"]:
+        if p.grad is None:
+            continue
+        if p.grad.is_sparse:
+            raise RuntimeError(f"{type(optimizer).__name__} does not support sparse gradients")
+        state = optimizer.state[p]
+        if not state:
+            state["step"] = first_step(p)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["step"] += 1
+        params.append(p)
+        grads.append(p.grad)
+        exp_avgs.append(state["exp_avg"])
+        exp_avg_sqs.append(state["exp_avg_sq"])
+        steps.append(state["step"])
+    return params, grads, exp_avgs, exp_avg_sqs, steps

@@ -86,7 +86,7 @@ def adam_update(
     grads: list[Tensor],
     exp_avgs: list[Tensor],
     exp_avg_sqs: list[Tensor],
-    steps: list[int],
+    steps: list[Any],
     *,
     bias_correction: bool,
 ) -> None:

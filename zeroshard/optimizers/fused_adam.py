@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from zeroshard.optimizers._base import adam_moments
 from zeroshard.optimizers.adam import adam_update
 
 __all__ = ["DeepSpeedCPUAdam", "FusedAdam"]
@@ -87,24 +88,10 @@ class _KernelAdam(torch.optim.Adam):
         return loss
 
     def _step_uncorrected(self, group: dict[str, Any]) -> None:
-        params, grads, exp_avgs, exp_avg_sqs = [], [], [], []
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            if p.grad.is_sparse:
-                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
-            state = self.state[p]
-            if not state:  # torch's Adam state, so that either path can continue it
-                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["step"] += 1
-            params.append(p)
-            grads.append(p.grad)
-            exp_avgs.append(state["exp_avg"])
-            exp_avg_sqs.append(state["exp_avg_sq"])
-        if params:
-            adam_update(group, params, grads, exp_avgs, exp_avg_sqs, [], bias_correction=False)
+        # torch's Adam state (a float32 step count), so that either path can continue it.
+        moments = adam_moments(self, group, lambda p: torch.zeros((), dtype=torch.float32, device=p.device))
+        if moments[0]:
+            adam_update(group, *moments, bias_correction=False)
 
 
 class FusedAdam(_KernelAdam):
