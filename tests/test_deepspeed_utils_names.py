@@ -428,6 +428,69 @@ def throughput_timer_cases(root: str) -> dict[str, Any]:
     return out
 
 
+def config_utils_cases(root: str) -> dict[str, Any]:
+    """A config model built on DeepSpeed's base class: aliases, "auto", refused values and keys, and
+    deprecated fields moved to their replacement (also in a nested model)."""
+    from pydantic import Field, ValidationError
+
+    cu = importlib.import_module(f"{root}.runtime.config_utils")
+
+    class Inner(cu.DeepSpeedConfigModel):  # type: ignore[misc,name-defined]
+        size: int = 1
+
+    class Conf(cu.DeepSpeedConfigModel):  # type: ignore[misc,name-defined]
+        count: int = 0
+        names_old: str | None = Field(
+            None, json_schema_extra={"deprecated": True, "new_param": "names", "new_param_fn": lambda x: [x]}
+        )
+        names: list[str] | None = None
+        width: int = Field(3, alias="width_alias")
+        inner: Inner = Field(default_factory=Inner)
+        size_old: int = Field(0, json_schema_extra={"deprecated": True, "new_param": "inner.size"})
+        quiet_old: int = Field(0, json_schema_extra={"deprecated": True, "deprecated_msg": "gone"})
+
+    def made(**data: Any) -> Any:
+        try:
+            return Conf(**data).model_dump()
+        except ValidationError:
+            return "ValidationError"
+        except AssertionError:
+            return "AssertionError"
+
+    out: dict[str, Any] = {}
+    inputs: list[dict[str, Any]] = [
+        {"count": 42},
+        {"names_old": "DS"},
+        {"width": 10},
+        {"width_alias": 11},
+        {"count": "auto"},
+        {"size_old": 7},
+        {"quiet_old": 2},
+        {"count": "DS"},
+        {"names": "DS"},
+        {"count_typo": 0},
+        {"names": ["DS"], "names_old": "DS"},
+        {"size_old": 7, "inner": {"size": 2}},
+    ]
+    out["models"] = [made(**data) for data in inputs]
+    conf = Conf()
+    try:
+        conf.count = "x"  # type: ignore[assignment]
+        out["assignment"] = conf.count
+    except ValidationError:
+        out["assignment"] = "ValidationError"
+    out["strict_auto"] = _attempt(lambda: Conf(strict=True, count="auto").count)
+    out["defaults"] = [
+        _attempt(lambda n=n: cu.get_config_default(Conf, n)) for n in ("count", "width", "nope")
+    ]
+    out["pp_int"] = [repr(cu.pp_int(1234567)), repr(cu.pp_int(5, "five")), cu.pp_int(12) + 1]
+    out["params"] = [cu.get_scalar_param({"a": 1}, "a", 0), cu.get_list_param({}, "b", [2])]
+    out["params"].append(cu.get_dict_param({"c": {"d": 1}}, "c", {}))
+    pairs = [[("a", 1), ("b", 2)], [("a", 1), ("b", 2), ("a", 3), ("b", 4)]]
+    out["duplicates"] = [_attempt(lambda p=p: cu.dict_raise_error_on_duplicate_keys(p)) for p in pairs]
+    return out
+
+
 def local_cases(root: str) -> dict[str, Any]:
     """Every single-process case against DeepSpeed module tree ``root`` (``deepspeed`` or
     ``zeroshard.deepspeed``)."""
@@ -441,6 +504,7 @@ def local_cases(root: str) -> dict[str, Any]:
                 "runtime_utils": runtime_utils_cases(root, tmp),
                 "torch_utils": torch_utils_cases(root),
                 "throughput_timer": throughput_timer_cases(root),
+                "config_utils": config_utils_cases(root),
             }
         )
 
