@@ -202,3 +202,72 @@ def test_null_block_means_defaults() -> None:
     cfg, _ = load_with_warnings({"zero_optimization": {"stage": 3, "offload_param": None}, "scheduler": None})
     assert cfg.zero_optimization.offload_param.device == "none"
     assert cfg.scheduler is None
+
+
+# Every keyword DeepSpeed's own config models take (field, alias or deprecated spelling), read off the
+# installed DeepSpeed by tools/deepspeed_inventory.py: a key DeepSpeed accepts is a key zeroshard knows.
+_DEEPSPEED_BLOCKS = {
+    "deepspeed.runtime.zero.config:DeepSpeedZeroConfig": "zero_optimization",
+    "deepspeed.runtime.zero.offload_config:DeepSpeedZeroOffloadParamConfig": (
+        "zero_optimization.offload_param"
+    ),
+    "deepspeed.runtime.zero.offload_config:DeepSpeedZeroOffloadOptimizerConfig": (
+        "zero_optimization.offload_optimizer"
+    ),
+    "deepspeed.runtime.precision_config:DeepSpeedBF16Config": "bf16",
+    "deepspeed.runtime.precision_config:DeepSpeedFP16Config": "fp16",
+}
+
+
+def _nested(path: str, key: str, value: Any) -> dict[str, Any]:
+    block: dict[str, Any] = {key: value}
+    for part in reversed(path.split(".")):
+        block = {part: block}
+    return block
+
+
+def test_every_key_deepspeeds_config_models_take_is_known() -> None:
+    import ast
+    import json
+    from pathlib import Path
+
+    inventory = json.loads((Path(__file__).parents[1] / "zeroshard/deepspeed/inventory.json").read_text())
+    unknown = []
+    for where, path in _DEEPSPEED_BLOCKS.items():
+        module, name = where.split(":")
+        params = inventory["modules"][module]["names"][name]["signature"]
+        keys = [(key, default) for key, kind, default in params if kind == "KEYWORD_ONLY"]
+        assert len(keys) > 3, where
+        for key, default in keys:
+            try:
+                value = ast.literal_eval(default.replace(",", "")) if default else None
+            except (ValueError, SyntaxError):
+                value = None
+            config = _nested(path, key, value)
+            if path.startswith("zero_optimization."):  # the offload blocks: at stage 3, where all apply
+                config["zero_optimization"]["stage"] = 3
+            try:
+                load_with_warnings(config)
+            except ConfigError as error:
+                if "unknown key" in str(error):
+                    unknown.append(f"{path}.{key}")
+    assert not unknown, unknown
+
+
+def test_compute_grad_norm_false_where_deepspeed_allows_it() -> None:
+    loaded, _ = load_with_warnings(
+        {"gradient_clipping": 0, "zero_optimization": {"stage": 2, "compute_grad_norm": False}}
+    )
+    assert loaded.zero_optimization.compute_grad_norm is False
+    for extra, named in (
+        ({"stage": 3}, "stage 3"),
+        ({"stage": 1, "offload_optimizer": {"device": "cpu"}}, "offload_optimizer"),
+    ):
+        message = error_of(
+            {"gradient_clipping": 0, "zero_optimization": {**extra, "compute_grad_norm": False}}
+        )
+        assert "zero_optimization.compute_grad_norm: false" in message and named in message, message
+    message = error_of({"zero_optimization": {"stage": 2, "compute_grad_norm": False}})  # clipping 1.0
+    assert "gradient_clipping 1" in message, message
+    _, notes = load_with_warnings({"zero_optimization": {"stage": 2, "parameter_alignment": True}})
+    assert any("parameter_alignment: true has no effect" in note for note in notes), notes

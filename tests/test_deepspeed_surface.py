@@ -56,7 +56,14 @@ def _same_default(ours: Any, theirs: str) -> bool:
     # DeepSpeed's config models print large integer defaults with digit groups (its pp_int: 100,000,000).
     grouped = re.fullmatch(r"\d{1,3}(,\d{3})+", theirs) is not None
     text = _default_text(ours)
-    return text == theirs or (grouped and text == theirs.replace(",", ""))
+    if (
+        text == theirs
+        or (grouped and text == theirs.replace(",", ""))
+        or (theirs, ours) == ("sys.maxsize", sys.maxsize)
+    ):
+        return True
+    # A float default where DeepSpeed's is the equal int (zeroshard's fp16 block: loss_scale 0.0).
+    return isinstance(ours, float) and re.fullmatch(r"-?\d+", theirs) is not None and ours == int(theirs)
 
 
 def signature_problems(theirs: list[list[Any]], ours: inspect.Signature, ignored: set[str]) -> list[str]:

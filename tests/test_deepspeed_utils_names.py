@@ -491,6 +491,71 @@ def config_utils_cases(root: str) -> dict[str, Any]:
     return out
 
 
+def zero_config_cases(root: str) -> dict[str, Any]:
+    """DeepSpeedZeroConfig built from keyword blocks: deprecated keys, stage3_ aliases, the offload blocks,
+    overlap_comm's default, "auto", refused values and assignment. Compared field by field (the two models
+    hold different sets of DeepSpeed-internal fields)."""
+    from pydantic import ValidationError
+
+    zc = importlib.import_module(f"{root}.runtime.zero.config")
+    fields = ["stage", "overlap_comm", "prefetch_bucket_size", "param_persistence_threshold"]
+    fields += ["max_reuse_distance", "gather_16bit_weights_on_model_save", "reduce_bucket_size"]
+    fields += ["pipeline_loading_checkpoint", "elastic_checkpoint", "contiguous_gradients"]
+
+    def shown(data: dict[str, Any]) -> Any:
+        try:
+            conf = zc.DeepSpeedZeroConfig(**data)
+        except ValidationError:
+            return "ValidationError"
+        except AssertionError:
+            return "AssertionError"
+        out = {name: getattr(conf, name) for name in fields}
+        for name in ("offload_param", "offload_optimizer"):
+            block = getattr(conf, name)
+            out[name] = None if block is None else [type(block).__name__, block.device, block.pin_memory]
+        out["pipeline"] = None if conf.offload_optimizer is None else conf.offload_optimizer.pipeline
+        return out
+
+    inputs: list[dict[str, Any]] = [{}, {"stage": 3}, {"stage": 2, "overlap_comm": True}]
+    inputs += [{"cpu_offload": True}, {"cpu_offload": False}]
+    # cpu_offload_use_pin_memory: false is left out: DeepSpeed ignores it, zeroshard applies it to the
+    # blocks cpu_offload/cpu_offload_param make (config/deprecated.py).
+    inputs += [{"cpu_offload_param": True, "cpu_offload_use_pin_memory": True}]
+    inputs += [{"stage3_gather_fp16_weights_on_model_save": True}, {"stage3_prefetch_bucket_size": 12345}]
+    inputs += [{"stage3_param_persistence_threshold": 7, "stage3_max_reuse_distance": 9}]
+    inputs += [{"offload_param": None, "offload_optimizer": None}]
+    inputs += [{"offload_param": {}, "offload_optimizer": {}}]
+    inputs += [{"offload_optimizer": {"device": "nvme", "nvme_path": "/x", "pipeline_read": True}}]
+    inputs += [{"stage": 3, "elastic_checkpoint": True}, {"reduce_bucket_size": "auto"}, {"stage": 9}]
+    inputs += [{"stage": "one"}, {"no_such_key": 1}]
+    inputs += [{"cpu_offload": True, "offload_optimizer": {"device": "cpu"}}]
+    both_gather = ("stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save")
+    inputs += [dict.fromkeys(both_gather, True)]
+    out: dict[str, Any] = {"configs": [shown(data) for data in inputs]}
+    conf = zc.DeepSpeedZeroConfig(stage=1)
+    conf.stage = 3
+    out["assigned"] = conf.stage
+    out["from_ds_config"] = [shown({}) == shown({})]
+    for ds_config in ({"zero_optimization": True}, {"zero_optimization": {"stage": 2}}, {}):
+        out["from_ds_config"].append(zc.get_zero_config(ds_config).stage)
+    out["stages"] = [int(zc.ZeroStageEnum.weights), zc.ZeroStageEnum(2).name, zc.ZeroStageEnum.max_stage == 3]
+    pc = importlib.import_module(f"{root}.runtime.precision_config")
+    blocks: list[dict[str, Any]] = [{}, {"bf16": {"enabled": True}}, {"bfloat16": {"enabled": True}}]
+    blocks += [{"bf16": {"check_grad_overflow": False}, "bfloat16": {"enabled": True}}]
+    blocks += [{"bf16": {"enabled": "auto"}}, {"bf16": {"enabled": "yes please"}}, {"bf16": {"typo": 1}}]
+    out["bf16"] = [_attempt(lambda b=b: pc.get_bfloat16_config(b).model_dump()) for b in blocks]
+    halves: list[dict[str, Any]] = [{}, {"fp16": {"enabled": True, "initial_scale_power": 8}}]
+    halves += [{"fp16": {"enabled": True, "loss_scale": 128, "hysteresis": 4}}, {"fp16": {"loss_scale": -1}}]
+    fp16 = [pc.get_float16_config(h) for h in halves[:3]]
+    out["fp16"] = [[c.enabled, c.loss_scale, c.initial_dynamic_scale()] for c in fp16]
+    out["fp16_args"] = [c.dynamic_loss_scale_args() for c in fp16]
+    out["fp16_refused"] = _attempt(lambda: pc.get_float16_config(halves[3]))
+    assigned = pc.DeepSpeedBF16Config()
+    assigned.enabled = True
+    out["bf16_assigned"] = assigned.enabled
+    return out
+
+
 def local_cases(root: str) -> dict[str, Any]:
     """Every single-process case against DeepSpeed module tree ``root`` (``deepspeed`` or
     ``zeroshard.deepspeed``)."""
@@ -505,6 +570,7 @@ def local_cases(root: str) -> dict[str, Any]:
                 "torch_utils": torch_utils_cases(root),
                 "throughput_timer": throughput_timer_cases(root),
                 "config_utils": config_utils_cases(root),
+                "zero_config": zero_config_cases(root),
             }
         )
 

@@ -260,3 +260,25 @@ def test_throughput_timer_follows_forward_and_step() -> None:
         else:
             assert timer.avg_samples_per_sec() == float("-inf")
         engine.destroy()
+
+
+def test_compute_grad_norm_false_trains_the_same_without_a_norm() -> None:
+    """DeepSpeed 0.19.8's zero_optimization.compute_grad_norm: false (stages 1-2, no clipping): the same
+    parameters as with it on, get_global_grad_norm() None instead of the norm."""
+    trained = []
+    for compute in (True, False):
+        config = _config(2, 2, optimizer={"type": "AdamW", "params": {"lr": 0.01}})
+        config["zero_optimization"]["compute_grad_norm"] = compute
+        model = make_model(0)
+        engine, *_ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=config)
+        assert engine.zero_compute_grad_norm() is compute
+        for step in range(2):
+            for micro in range(2):
+                engine.backward(engine(*batch(step, micro, 0)))
+                engine.step()
+        norm = engine.get_global_grad_norm()
+        assert (norm is None) is (not compute) and (norm is None or norm > 0), norm
+        trained.append([p.detach().clone() for p in model.parameters()])
+        engine.destroy()
+    for with_norm, without in zip(*trained, strict=True):
+        assert torch.equal(with_norm, without)

@@ -303,6 +303,13 @@ class ZeroConfig(Block):
     """Stage 3: DeepSpeed all-gathers parameters one by one."""
     ignore_unused_parameters: Bool = True
     """Tolerate parameters that get no gradient."""
+    compute_grad_norm: Bool = True
+    """Stages 1-2 (DeepSpeed 0.19.8): false stops DeepSpeed computing the global gradient norm, and needs
+    gradient_clipping 0 and no optimizer offload; ``get_global_grad_norm()`` then returns None. zeroshard
+    still sums the norm's pieces to skip a step whose gradients are not finite."""
+    parameter_alignment: Bool = False
+    """Stages 1-2 (DeepSpeed 0.19.8): pad each parameter to 16 bytes in the flat buffers; no effect (the
+    layout of zeroshard's units changes no value)."""
     legacy_stage1: Bool = False
     """DeepSpeed's old stage-1 implementation."""
     round_robin_gradients: Bool = False

@@ -110,6 +110,23 @@ def _offload(cfg: ZeroshardConfig, problems: Problems, notes: list[str]) -> None
         )
 
 
+def _grad_norm(cfg: ZeroshardConfig, problems: Problems) -> None:
+    """`zero_optimization.compute_grad_norm: false` where DeepSpeed 0.19.8 allows it (stages 1-2, no clipping,
+    no optimizer offload, no ZenFlow)."""
+    zero = cfg.zero_optimization
+    if zero.compute_grad_norm:
+        return
+    needs = {
+        f"zero_optimization.stage {zero.stage}; it needs stage 1 or 2": zero.stage not in (1, 2),
+        f"gradient_clipping {cfg.gradient_clipping:g}; it needs 0": cfg.gradient_clipping > 0,
+        "zero_optimization.offload_optimizer; it needs none": zero.offload_optimizer.device != "none",
+        "zero_optimization.zenflow; it needs none": zero.zenflow is not None,
+    }
+    for conflict, present in needs.items():
+        if present:
+            problems.add(f"zero_optimization.compute_grad_norm: false is not allowed with {conflict}")
+
+
 def _allreduce_op(cfg: ZeroshardConfig, problems: Problems) -> None:
     if cfg.gradient_allreduce_op != "sum":
         return
@@ -320,6 +337,7 @@ def check_config(
     _hpz(cfg, problems, notes)
     _quantized(cfg, notes)
     _allreduce_op(cfg, problems)
+    _grad_norm(cfg, problems)
     _data_types(cfg, problems, notes)
     _without_effect(cfg, notes)
     _optimizer_and_scheduler(cfg, problems)

@@ -25,7 +25,16 @@ from typing import Any
 
 from zeroshard.config.errors import Problems, show
 
-__all__ = ["apply_deprecations", "user_spelling"]
+__all__ = ["DEPRECATED_ZERO_KEYS", "apply_deprecations", "user_spelling"]
+
+DEPRECATED_ZERO_KEYS = (
+    "cpu_offload",
+    "cpu_offload_param",
+    "cpu_offload_use_pin_memory",
+    "stage3_gather_fp16_weights_on_model_save",
+)
+"""The deprecated ``zero_optimization`` keys DeepSpeed 0.19 still reads (``cpu_offload_params``, older, it
+refuses)."""
 
 
 _GATHER_NEW = ("gather_16bit_weights_on_model_save", "stage3_gather_16bit_weights_on_model_save")

@@ -108,6 +108,11 @@ NO_EFFECT: tuple[tuple[str, Any, str], ...] = (
     ),
     ("sparse_gradients", True, "zeroshard reduces every gradient as a dense tensor"),
     (
+        "zero_optimization.parameter_alignment",
+        True,
+        "zeroshard lays out its flat units its own way, which changes no value",
+    ),
+    (
         "zero_optimization.mics_hierarchical_params_gather",
         True,
         "hybrid sharding (mics_shard_size) gathers parameters with one all-gather over the shard group, not "

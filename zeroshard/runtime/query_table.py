@@ -160,6 +160,7 @@ _ZERO_KEYS = {
     "zero_allgather_bucket_size": "allgather_bucket_size",
     "zero_allgather_partitions": "allgather_partitions",
     "zero_allgather_sequential": "allgather_sequential",
+    "zero_compute_grad_norm": "compute_grad_norm",
     "zero_contiguous_gradients": "contiguous_gradients",
     "zero_elastic_checkpoint": "elastic_checkpoint",
     "zero_hpz_partition_size": "zero_hpz_partition_size",
@@ -173,6 +174,7 @@ _ZERO_KEYS = {
     "zero_module_granularity_threshold": "module_granularity_threshold",
     "zero_multi_rank_bucket_allreduce": "use_multi_rank_bucket_allreduce",
     "zero_overlap_comm": "overlap_comm",
+    "zero_parameter_alignment": "parameter_alignment",
     "zero_param_persistence_threshold": "param_persistence_threshold",
     "zero_prefetch_bucket_size": "prefetch_bucket_size",
     "zero_quantized_gradients": "zero_quantized_gradients",
@@ -268,8 +270,6 @@ QUERIES: dict[str, Query] = {
     "is_first_weights_partition_group": _is(
         "whether ``zero_optimization.stage`` is 3", lambda c: c.zero_optimization.stage >= 3
     ),
-    "zero_compute_grad_norm": _constant(True, "DeepSpeed's default; zeroshard always computes the norm"),
-    "zero_parameter_alignment": _constant(False, "DeepSpeed's default; zeroshard has no such setting"),
     "zero_offload_optimizer": _is(
         "the config's ``zero_optimization.offload_optimizer`` block, None when its device is none",
         _offloaded,

@@ -180,8 +180,11 @@ class DeepSpeedSurface(nn.Module):
             torch.cuda.empty_cache()
 
     def get_global_grad_norm(self) -> float | None:
-        """The gradient norm of the last step, before clipping (None before the first step; inf when the
-        last step was skipped for non-finite gradients, as DeepSpeed reports it)."""
+        """The gradient norm of the last step, before clipping (None before the first step, and always with
+        ``zero_optimization.compute_grad_norm: false``; inf when the last step was skipped for non-finite
+        gradients, as DeepSpeed reports it)."""
+        if not self.config.zero_optimization.compute_grad_norm:
+            return None
         if self._last_step_overflowed:
             return float("inf")
         return self._grad_norm

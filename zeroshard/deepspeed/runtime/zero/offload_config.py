@@ -10,10 +10,9 @@ keyword.
 
 from __future__ import annotations
 
-from typing import Any
-
 from zeroshard.config.blocks import OffloadOptimizerConfig, OffloadParamConfig
 from zeroshard.deepspeed import surface
+from zeroshard.deepspeed.runtime._models import MUTABLE, DeepSpeedModel
 from zeroshard.runtime.state_offload import OffloadDeviceEnum, OffloadStateTypeEnum
 
 __all__ = [
@@ -24,23 +23,21 @@ __all__ = [
 ]
 
 
-def _lenient(strict: bool, data: dict[str, Any]) -> dict[str, Any]:
-    """DeepSpeed's config models, unless ``strict``, take a field given as ``"auto"`` as not given."""
-    return data if strict else {k: v for k, v in data.items() if not (isinstance(v, str) and v == "auto")}
-
-
-class DeepSpeedZeroOffloadParamConfig(OffloadParamConfig):
+class DeepSpeedZeroOffloadParamConfig(DeepSpeedModel, OffloadParamConfig):
     """``zero_optimization.offload_param`` (zeroshard's block, DeepSpeed's constructor)."""
 
-    def __init__(self, strict: bool = False, **data: Any) -> None:
-        super().__init__(**_lenient(strict, data))
+    model_config = MUTABLE
 
 
-class DeepSpeedZeroOffloadOptimizerConfig(OffloadOptimizerConfig):
+class DeepSpeedZeroOffloadOptimizerConfig(DeepSpeedModel, OffloadOptimizerConfig):
     """``zero_optimization.offload_optimizer`` (zeroshard's block, DeepSpeed's constructor)."""
 
-    def __init__(self, strict: bool = False, **data: Any) -> None:
-        super().__init__(**_lenient(strict, data))
+    model_config = MUTABLE
+
+    @property
+    def pipeline(self) -> bool:
+        """DeepSpeed's derived flag: the NVMe swap is pipelined, reading or writing."""
+        return self.pipeline_read or self.pipeline_write
 
 
 __getattr__ = surface.fallback(__name__)  # the DeepSpeed names not written here
