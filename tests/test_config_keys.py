@@ -216,6 +216,18 @@ _DEEPSPEED_BLOCKS = {
     ),
     "deepspeed.runtime.precision_config:DeepSpeedBF16Config": "bf16",
     "deepspeed.runtime.precision_config:DeepSpeedFP16Config": "fp16",
+    "deepspeed.runtime.zero.leaf_module_config:DeepSpeedZeroLeafModuleConfig": (
+        "zero_optimization.leaf_module"
+    ),
+    "deepspeed.runtime.zenflow.zenflow_config:ZenFlowConfig": "zero_optimization.zenflow",
+    "deepspeed.comm.config:CommsLoggerConfig": "comms_logger",
+    "deepspeed.monitor.config:CSVConfig": "csv_monitor",
+    "deepspeed.monitor.config:CometConfig": "comet",
+    "deepspeed.monitor.config:TensorBoardConfig": "tensorboard",
+    "deepspeed.monitor.config:WandbConfig": "wandb",
+    "deepspeed.utils.config:DeepSpeedThroughputTimerConfig": "timers.throughput",
+    "deepspeed.runtime.config:HybridEngineConfig": "hybrid_engine",
+    "deepspeed.runtime.tensor_parallel.config:TPTrainingConfig": "tensor_parallel",
 }
 
 
@@ -237,7 +249,7 @@ def test_every_key_deepspeeds_config_models_take_is_known() -> None:
         module, name = where.split(":")
         params = inventory["modules"][module]["names"][name]["signature"]
         keys = [(key, default) for key, kind, default in params if kind == "KEYWORD_ONLY"]
-        assert len(keys) > 3, where
+        assert len(keys) >= 2, where
         for key, default in keys:
             try:
                 value = ast.literal_eval(default.replace(",", "")) if default else None

@@ -105,6 +105,8 @@ _TENSOR_PARALLEL: dict[str, Setting] = {
     "dtype": (Any, None, "Model dtype for AutoTP (DeepSpeed default torch.float16)."),
     "autotp_size": (Annotated[Int, Field(ge=0)], 0, "AutoTP degree; 0 (or 1) means off."),
     "tp_overlap_comm": (Bool, False, "Overlap TP all-reduce with compute."),
+    "vocab_parallel_lm_head": (Bool | None, None, "Shard the vocabulary of the LM head (DeepSpeed 0.19.8)."),
+    "vocab_parallel_ce_backend": (Literal["torch", "liger"], "torch", "Vocab-parallel cross-entropy kernel."),
     "tensor_parallel": (FeatureBlock("`tensor_parallel.tp`", _TP), None, "Inner TP settings (alias `tp`)."),
     "injection_policy_tuple": (Any, None, "Injection policy (set from code)."),
     "partition_config": (dict[str, Any] | None, None, "Custom AutoTP layer specs, kept as given."),
