@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["GatheredParameters", "Init", "register_external_parameter"]
 
-_Owner = tuple[FlatUnit, ParameterGatherer | None, Comm, "TrainedParameters"]
+_Owner = tuple[FlatUnit, "TrainedParameters"]  # the unit that holds a parameter, and its engine's map
 # The parameter maps of the live engines ([Note: parameter owners] in core/owners.py).
 _ENGINES: OwnerRegistry[_Owner] = OwnerRegistry(weak=True)
 
@@ -72,12 +72,12 @@ class TrainedParameters:
         self.owners: ParameterMap[_Owner] = ParameterMap()
         for unit in self.units:
             for param in unit.params:
-                self.owners[param] = (unit, gatherer, comm, self)
+                self.owners[param] = (unit, self)
         _ENGINES.add(self.owners)
 
 
 def owner_of(param: nn.Parameter) -> _Owner | None:
-    """The unit, gatherer and group of the newest engine that trains ``param``, or ``None``."""
+    """The unit holding ``param`` in the newest engine that trains it, with that engine's map, or ``None``."""
     return _ENGINES.find(param)
 
 
@@ -110,9 +110,7 @@ class GatheredParameters:
         self._owned = [owner for _, owner in owners if owner is not None]
         # An engine's stage-3 parameters: ds_status AVAILABLE inside the block only, where saving one for
         # backward keeps the parameter ([Note: DeepSpeed parameter attributes] in core/ds_attrs.py).
-        self._held = [
-            p for p, o in owners if o is not None and o[1] is not None and o[0].plan.shard_parameters
-        ]
+        self._held = [p for p, o in owners if o is not None and _gathered(*o)]
         # Parameters still partitioned by Init (before initialize: how from_pretrained fills a model).
         self._partitioned = [p for p in plist if partition_entry(p) is not None]
         self._stack = contextlib.ExitStack()
@@ -122,11 +120,11 @@ class GatheredParameters:
             return self
         comms = [e[2] for e in map(partition_entry, self._partitioned) if e is not None]
         comms += [
-            comm
-            for unit, gatherer, comm, _ in self._owned
-            if (gatherer is not None and unit.plan.shard_parameters) or self.modifier_rank is not None
+            trained.comm
+            for unit, trained in self._owned
+            if _gathered(unit, trained) or self.modifier_rank is not None
         ]
-        reporting = [*comms, *(comm for _, _, comm, _ in self._owned)]
+        reporting = [*comms, *(trained.comm for _, trained in self._owned)]
         monitor = reporting[0].monitor if reporting else NullMonitor()
         self._stack.enter_context(monitor.api("GatheredParameters"))
         try:
@@ -142,9 +140,9 @@ class GatheredParameters:
             param.data = full_value(shape, shard, comm, device)
         set_available(self._partitioned, True)
         by_gatherer: dict[int, tuple[ParameterGatherer, list[FlatUnit]]] = {}
-        for unit, gatherer, _, _ in self._owned:
-            if gatherer is not None and unit.plan.shard_parameters:
-                by_gatherer.setdefault(id(gatherer), (gatherer, []))[1].append(unit)
+        for unit, trained in self._owned:
+            if trained.gatherer is not None and unit.plan.shard_parameters:
+                by_gatherer.setdefault(id(trained.gatherer), (trained.gatherer, []))[1].append(unit)
         for gatherer, units in by_gatherer.values():
             self._stack.enter_context(gatherer.hold(units))
         if by_gatherer:
@@ -160,7 +158,7 @@ class GatheredParameters:
             self._repartition(keep=self.modifier_rank is not None and kind is None)
         try:
             if self.enabled and self.modifier_rank is not None and kind is None:
-                units = {id(u): (u, comm) for u, _, comm, _ in self._owned}
+                units = {id(u): (u, trained.comm) for u, trained in self._owned}
                 for unit, comm in sorted(units.values(), key=lambda uc: uc[0].index):
                     comm.broadcast(
                         unit.full, src=self.modifier_rank, what="GatheredParameters broadcast"
@@ -185,6 +183,11 @@ class GatheredParameters:
             else:
                 param.data = torch.empty(0, dtype=param.dtype, device=param.device)
         set_available(self._partitioned, False)
+
+
+def _gathered(unit: FlatUnit, trained: TrainedParameters) -> bool:
+    """Whether the engine gathers ``unit``'s parameters for use (stage 3): they are empty between uses."""
+    return trained.gatherer is not None and unit.plan.shard_parameters
 
 
 def _missing(param: nn.Parameter) -> tuple[torch.Size, torch.Tensor, Comm]:

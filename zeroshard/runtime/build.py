@@ -216,14 +216,14 @@ def _build_sync(
             raise RuntimeError(f"rank {sharding.world.rank}: stage-3 units were built without a gather group")
         gatherer = ParameterGatherer(
             parts.module_units,
-            sharding.gather,  # parameter gathers on their own group: see Comm.new_channel
+            # Parameter gathers on their own group (see Comm.new_channel); later gathers from hpZ's secondary
+            # shards (stage3/secondary.py), first ones in int8 with qwZ.
+            GatherSource(sharding.gather, sharding.hpz, quantized=zero.zero_quantized_weights),
             prefetch_elements=zero.prefetch_bucket_size,
             max_live_elements=zero.max_live_parameters,
             max_reuse_distance=zero.max_reuse_distance,
             pool=parts.pool,
             reductions=inflight,
-            # Later gathers from hpZ's secondary shards (stage3/secondary.py), first ones in int8 with qwZ.
-            source=GatherSource(sharding.gather, sharding.hpz, quantized=zero.zero_quantized_weights),
         )
     reducer = GradientReducer(
         parts.units,

@@ -63,7 +63,6 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from zeroshard.core.buffers import BufferPool
-from zeroshard.core.comm import Comm
 from zeroshard.core.flat_param import FlatUnit, unique_units
 from zeroshard.core.inflight import InFlight
 from zeroshard.core.reduction_groups import reentrant_reuse_error
@@ -101,17 +100,17 @@ class ParameterGatherer:
     def __init__(
         self,
         module_units: Sequence[tuple[nn.Module, Sequence[FlatUnit]]],
-        comm: Comm,
+        source: GatherSource,
         *,
         prefetch_elements: int,
         max_live_elements: int,
         max_reuse_distance: int,
         pool: BufferPool,
         reductions: InFlight,
-        source: GatherSource | None = None,
     ) -> None:
+        comm = source.gather  # the primary shards' group, every rank of it runs the hooks
         self.comm = comm
-        self._source = source or GatherSource(comm, None)  # hpZ, int8: stage3/secondary.py, quantize.py
+        self._source = source  # hpZ, int8: stage3/secondary.py, quantize.py
         self.pool = pool  # the units' own pool: holds are exempt from its high-water mark
         self._reductions = reductions
         self.schedule = PrefetchSchedule(  # see [Note: prefetch schedule]

@@ -42,7 +42,7 @@ def _unit_and_index(param: nn.Parameter, what: str) -> tuple[FlatUnit, int, Trai
             f"{what}: the parameter (shape {tuple(param.shape)}) is not trained by a zeroshard engine; "
             "pass a parameter of the model given to deepspeed.initialize"
         )
-    unit, _, _, trained = owner
+    unit, trained = owner
     index = next(i for i, p in enumerate(unit.params) if p is param)
     return unit, index, trained
 
