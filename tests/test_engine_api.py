@@ -282,3 +282,42 @@ def test_compute_grad_norm_false_trains_the_same_without_a_norm() -> None:
         engine.destroy()
     for with_norm, without in zip(*trained, strict=True):
         assert torch.equal(with_norm, without)
+
+
+def test_disable_python_gc_holds_the_collector_off_while_an_engine_lives() -> None:
+    """DeepSpeed 0.19.8's top-level disable_python_gc: automatic collection off from the first engine that
+    asks until the last is destroyed; a forked child (a DataLoader worker) collects as before; a collector
+    the script turned off itself stays off."""
+    import gc
+    import os
+
+    def engine(disable: bool) -> Any:
+        model = make_model(0)
+        config = _config(0, optimizer={"type": "SGD", "params": {"lr": 0.1}}, disable_python_gc=disable)
+        return zeroshard.initialize(model=model, model_parameters=model.parameters(), config=config)[0]
+
+    engines: list[Any] = []
+    try:
+        assert gc.isenabled()
+        engines.append(engine(False))
+        assert gc.isenabled()
+        engines += [engine(True), engine(True)]
+        assert not gc.isenabled()
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0 if gc.isenabled() else 3)
+        assert os.waitpid(pid, 0)[1] == 0
+        assert isinstance(engines[1].collect_python_gc(), int) and not gc.isenabled()
+        engines[1].destroy()
+        engines[1].destroy()  # a second destroy releases nothing more
+        assert not gc.isenabled()
+        engines[2].destroy()
+        assert gc.isenabled()
+        gc.disable()
+        engines.append(engine(True))
+        engines[-1].destroy()
+        assert not gc.isenabled()
+    finally:
+        for e in engines:
+            e.destroy()
+        gc.enable()

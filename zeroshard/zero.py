@@ -119,11 +119,8 @@ class GatheredParameters:
         if not self.enabled:
             return self
         comms = [e[2] for e in map(partition_entry, self._partitioned) if e is not None]
-        comms += [
-            trained.comm
-            for unit, trained in self._owned
-            if _gathered(unit, trained) or self.modifier_rank is not None
-        ]
+        keep = self.modifier_rank is not None
+        comms += [trained.comm for unit, trained in self._owned if keep or _gathered(unit, trained)]
         reporting = [*comms, *(trained.comm for _, trained in self._owned)]
         monitor = reporting[0].monitor if reporting else NullMonitor()
         self._stack.enter_context(monitor.api("GatheredParameters"))

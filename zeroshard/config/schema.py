@@ -89,6 +89,9 @@ class ZeroshardConfig(Block):
     """Log progress every this many steps; None (or Infinity, as accelerate writes) turns it off."""
     wall_clock_breakdown: Bool = False
     """Time forward, backward and step separately."""
+    disable_python_gc: Bool = False
+    """Turn Python's automatic cyclic garbage collection off while an engine lives (DeepSpeed 0.19.8);
+    collect at safe points with ``engine.collect_python_gc()`` (runtime/python_gc.py)."""
     memory_breakdown: Bool = False
     """Log allocator memory during the step (no effect in zeroshard, which warns when true; its log line
     and `engine.memory_breakdown()` report this rank's bytes)."""

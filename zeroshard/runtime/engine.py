@@ -40,6 +40,7 @@ from zeroshard.runtime.checkpointing import CheckpointMethods, close_checkpoint_
 from zeroshard.runtime.data import ResumableDataLoader
 from zeroshard.runtime.measurements import EngineMeasurements
 from zeroshard.runtime.nonfinite import loss_scale_floor_error, stop_or_warn
+from zeroshard.runtime.python_gc import hold_python_gc
 from zeroshard.runtime.queries import DeepSpeedQueries
 from zeroshard.telemetry import Telemetry
 from zeroshard.zero import TrainedParameters
@@ -112,6 +113,7 @@ class ZeroshardEngine(EngineMeasurements, DeepSpeedQueries, CheckpointMethods):
         self._backward_since_step = False
         self._no_sync = False
         self._report_overflow(False)
+        self._python_gc = hold_python_gc(self) if config.disable_python_gc else None  # python_gc.py
 
     # -- the loop ------------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -231,16 +233,13 @@ class ZeroshardEngine(EngineMeasurements, DeepSpeedQueries, CheckpointMethods):
         """
         scaled = self._plain_loss_was_scaled(self.is_gradient_accumulation_boundary())  # engine.scale()
         local = any(p.grad is not None for p in self.module.parameters())
-        if not self.is_gradient_accumulation_boundary():
-            if not local:
-                raise RuntimeError(
-                    "step() found no gradients: call engine.backward(loss) or loss.backward() first"
-                )
-            return
-        if not bool(self.comm.any_true(torch.tensor([local])).item()):
+        boundary = self.is_gradient_accumulation_boundary()  # there, whether any rank has gradients
+        if not (bool(self.comm.any_true(torch.tensor([local])).item()) if boundary else local):
             raise RuntimeError(
                 "step() found no gradients: call engine.backward(loss) or loss.backward() first"
             )
+        if not boundary:
+            return
         factor = 1.0 / self.config.gradient_accumulation_steps
         if self.loss_scaler is not None and not scaled:
             factor *= self.loss_scaler.scale
@@ -327,9 +326,9 @@ class ZeroshardEngine(EngineMeasurements, DeepSpeedQueries, CheckpointMethods):
         )
 
     def destroy(self) -> None:
-        """Flush and close the monitors, remove zeroshard's hooks and this rank's offload files, and free the
-        idle buffers the pool keeps for reuse (buffers.py [Note: buffer reuse]). An asynchronous save in
-        flight is finished first, without a collective ([Note: async save])."""
+        """Flush and close the monitors, remove zeroshard's hooks and this rank's offload files, free the idle
+        buffers the pool keeps (buffers.py [Note: buffer reuse]) and end ``disable_python_gc``'s hold. An
+        asynchronous save in flight is finished first, without a collective ([Note: async save])."""
         close_checkpoint_writer(self)
         self.telemetry.close()
         self.offload.close()
@@ -337,6 +336,8 @@ class ZeroshardEngine(EngineMeasurements, DeepSpeedQueries, CheckpointMethods):
         if self.gatherer is not None:
             self.gatherer.remove()
         self.reducer.pool.clear()
+        if self._python_gc is not None:
+            self._python_gc()  # [Note: Python GC switch]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear accumulated gradients (the engine already does this after each step): the engine's own,
