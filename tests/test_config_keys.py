@@ -283,3 +283,51 @@ def test_compute_grad_norm_false_where_deepspeed_allows_it() -> None:
     assert "gradient_clipping 1" in message, message
     _, notes = load_with_warnings({"zero_optimization": {"stage": 2, "parameter_alignment": True}})
     assert any("parameter_alignment: true has no effect" in note for note in notes), notes
+
+
+# Run by the real DeepSpeed (a subprocess without the alias): the top-level keys its DeepSpeedConfig reads.
+_DEEPSPEED_TOP_LEVEL_READS = """
+import json
+from deepspeed.runtime.config import DeepSpeedConfig
+seen = set()
+class Spy(dict):
+    def get(self, key, default=None):
+        seen.add(key)
+        return super().get(key, default)
+    def __getitem__(self, key):
+        seen.add(key)
+        return super().__getitem__(key)
+    def __contains__(self, key):
+        seen.add(key)
+        return super().__contains__(key)
+DeepSpeedConfig(Spy({"train_batch_size": 8}))
+print(json.dumps(sorted(k for k in seen if isinstance(k, str))))
+"""
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_every_top_level_key_deepspeed_reads_is_known() -> None:
+    """A key DeepSpeed 0.19.8's config reads is one zeroshard knows (not warned about as "not a DeepSpeed
+    setting"): its own field or alias, a feature block, or a deprecated spelling it rewrites."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from zeroshard.config.keys import top_level_keys
+
+    env = {k: v for k, v in os.environ.items() if k != "ZEROSHARD_AS_DEEPSPEED"}
+    env.update(DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="")
+    done = subprocess.run(
+        [sys.executable, "-c", _DEEPSPEED_TOP_LEVEL_READS],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    read = json.loads(done.stdout.strip().splitlines()[-1])
+    assert {"zero_optimization", "bf16", "disable_python_gc"} <= set(read), read  # the spy sees the reads
+    known = set(top_level_keys(ZeroshardConfig)) | {"bfloat16"}  # bfloat16: deprecated.py rewrites it
+    assert [key for key in read if key not in known] == []
