@@ -528,3 +528,27 @@ def test_lamb_on_split_parameters_is_not_exact() -> None:
     halves = [init[0][:32].clone(), init[0][32:].clone()]
     _run(halves, Lamb(halves, lr=0.1), [[g[0][:32], g[0][32:]] for g in grads])
     assert not torch.equal(torch.cat(halves), whole[0])
+
+
+def test_deepspeed_adam_classes_step_groups_taken_from_another_optimizer_their_way() -> None:
+    """accelerate, with the optimizer offloaded, builds DeepSpeedCPUAdam(adamw.param_groups, lr=...,
+    weight_decay=..., adamw_mode=...): the groups keep their hyperparameters but are stepped by the fused
+    kernel in the class's weight-decay mode, as DeepSpeed's kernel steps them; AMSGrad is refused."""
+    init, grads = _random_run((5, 9, 4), steps=4, seed=7)
+    for client_cls, adamw_mode, torch_cls in (
+        (torch.optim.AdamW, True, torch.optim.AdamW),
+        (torch.optim.Adam, False, torch.optim.Adam),
+    ):
+        ours, theirs = [t.clone() for t in init], [t.clone() for t in init]
+        groups = [{"params": ours[:2]}, {"params": ours[2:], "weight_decay": 0.0, "lr": 0.05}]
+        client = client_cls(groups, lr=0.01, weight_decay=0.1, foreach=True)
+        opt = DeepSpeedCPUAdam(client.param_groups, lr=0.01, weight_decay=0.1, adamw_mode=adamw_mode)
+        assert all(g["fused"] and not g["foreach"] for g in opt.param_groups)
+        ref_groups = [{"params": theirs[:2]}, {"params": theirs[2:], "weight_decay": 0.0, "lr": 0.05}]
+        ref = torch_cls(ref_groups, lr=0.01, weight_decay=0.1, fused=True)
+        _run(ours, opt, grads)
+        _run(theirs, ref, grads)
+        for a, b in zip(ours, theirs, strict=True):
+            assert torch.equal(a, b), client_cls
+    with pytest.raises(RuntimeError, match="AMSGrad"):
+        DeepSpeedCPUAdam(torch.optim.AdamW([torch.zeros(2)], amsgrad=True).param_groups)

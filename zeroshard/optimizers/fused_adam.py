@@ -35,7 +35,13 @@ Params = Iterable[Tensor] | Iterable[dict[str, Any]]
 
 
 class _KernelAdam(torch.optim.Adam):
-    """torch's fused Adam with DeepSpeed's ``bias_correction`` and ``adam_w_mode`` per parameter group."""
+    """torch's fused Adam with DeepSpeed's ``bias_correction`` and ``adam_w_mode``.
+
+    As in DeepSpeed, ``adam_w_mode`` and the kernel are the optimizer's, whatever the parameter groups say: a
+    group taken from another optimizer (accelerate builds ``DeepSpeedCPUAdam(adamw.param_groups, ...)``)
+    keeps its ``lr``, ``betas``, ``eps`` and ``weight_decay`` but is stepped by the fused kernel in this
+    optimizer's weight-decay mode. A group asking for AMSGrad is refused (DeepSpeed's CPU Adam ignores it).
+    """
 
     def __init__(
         self,
@@ -49,21 +55,30 @@ class _KernelAdam(torch.optim.Adam):
         adam_w_mode: bool,
         amsgrad: bool,
     ) -> None:
-        if amsgrad:
-            raise RuntimeError(f"{type(self).__name__} does not support the AMSGrad variant, as in DeepSpeed")
+        self._kernel = {"bias_correction": bias_correction, "adam_w_mode": adam_w_mode}  # before the groups
         super().__init__(
             params,
             lr=lr,
             betas=(float(betas[0]), float(betas[1])),
             eps=eps,
             weight_decay=weight_decay,
+            amsgrad=amsgrad,
             fused=True,
             decoupled_weight_decay=adam_w_mode,
         )
-        self.defaults.update(bias_correction=bias_correction, adam_w_mode=adam_w_mode)
-        for group in self.param_groups:  # groups added later take them from the defaults
-            group.setdefault("bias_correction", bias_correction)
-            group.setdefault("adam_w_mode", adam_w_mode)
+        self.defaults.update(self._kernel)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group (also at construction), stepped by this optimizer's kernel and weight-decay mode."""
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        if group.get("amsgrad"):
+            self.param_groups.pop()
+            raise RuntimeError(f"{type(self).__name__} does not support the AMSGrad variant, as in DeepSpeed")
+        mode = self._kernel["adam_w_mode"]
+        group.update(fused=True, foreach=None, capturable=False, differentiable=False)
+        group.update(decoupled_weight_decay=mode, adam_w_mode=mode)
+        group.setdefault("bias_correction", self._kernel["bias_correction"])
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
