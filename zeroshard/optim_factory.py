@@ -76,6 +76,9 @@ _REFUSED = {
 
 _SUPPORTED = tuple(dict.fromkeys(("Adam", "AdamW", "Lamb", "Lion", *_ELEMENTWISE_TORCH)))
 
+#: The Adam hyperparameters DeepSpeed's classes and torch's take alike; any other torch key asks for torch's.
+_ADAM_SHARED_KEYS = ("lr", "betas", "eps", "weight_decay")
+
 #: DeepSpeed-only Adam keys: read here, never passed to the optimizer class.
 _ADAM_DEEPSPEED_KEYS = ("adam_w_mode", "bias_correction", "fused", "set_grad_none", "torch_adam")
 
@@ -212,14 +215,13 @@ def _adam_kwargs(
                 "supports neither combination)"
             )
         cls = kernel
-        shared = ("lr", "betas", "eps", "weight_decay")
-        accepted = {k: v for k, v in keyword_defaults(FusedAdam.__init__).items() if k in shared}
+        accepted = {k: v for k, v in keyword_defaults(FusedAdam.__init__).items() if k in _ADAM_SHARED_KEYS}
     owner = f"{_class_label(cls)} [optimizer.type {name!r}]"
     check_keys(_SECTION, rest, [*accepted, *_ADAM_DEEPSPEED_KEYS], owner)
     kwargs = checked_kwargs(_SECTION, rest, accepted)
     if not torch_adam:
         kwargs.setdefault("weight_decay", 0.0)  # DeepSpeed FusedAdam's default, not AdamW's 0.01
-    torch_only = {k: v for k, v in kwargs.items() if k not in ("lr", "betas", "eps", "weight_decay")}
+    torch_only = {k: v for k, v in kwargs.items() if k not in _ADAM_SHARED_KEYS}
     if not torch_adam and not any(torch_only.values()):
         # DeepSpeed's class (fused_adam.py [Note: DeepSpeed's Adam classes]): torch's fused kernel, as fast as
         # DeepSpeed's compiled CPU Adam on our shards (bench/cpu_adam.py), 3-4x torch's default CPU loop.

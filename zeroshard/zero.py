@@ -110,7 +110,7 @@ class GatheredParameters:
         self._owned = [owner for _, owner in owners if owner is not None]
         # An engine's stage-3 parameters: ds_status AVAILABLE inside the block only, where saving one for
         # backward keeps the parameter ([Note: DeepSpeed parameter attributes] in core/ds_attrs.py).
-        self._held = [p for p, o in owners if o is not None and _gathered(*o)]
+        self._held = [p for p, o in owners if o is not None and _gatherer_of(*o) is not None]
         # Parameters still partitioned by Init (before initialize: how from_pretrained fills a model).
         self._partitioned = [p for p in plist if partition_entry(p) is not None]
         self._stack = contextlib.ExitStack()
@@ -120,7 +120,7 @@ class GatheredParameters:
             return self
         comms = [e[2] for e in map(partition_entry, self._partitioned) if e is not None]
         keep = self.modifier_rank is not None
-        comms += [trained.comm for unit, trained in self._owned if keep or _gathered(unit, trained)]
+        comms += [t.comm for unit, t in self._owned if keep or _gatherer_of(unit, t) is not None]
         reporting = [*comms, *(trained.comm for _, trained in self._owned)]
         monitor = reporting[0].monitor if reporting else NullMonitor()
         self._stack.enter_context(monitor.api("GatheredParameters"))
@@ -138,8 +138,8 @@ class GatheredParameters:
         set_available(self._partitioned, True)
         by_gatherer: dict[int, tuple[ParameterGatherer, list[FlatUnit]]] = {}
         for unit, trained in self._owned:
-            if trained.gatherer is not None and unit.plan.shard_parameters:
-                by_gatherer.setdefault(id(trained.gatherer), (trained.gatherer, []))[1].append(unit)
+            if (gatherer := _gatherer_of(unit, trained)) is not None:
+                by_gatherer.setdefault(id(gatherer), (gatherer, []))[1].append(unit)
         for gatherer, units in by_gatherer.values():
             self._stack.enter_context(gatherer.hold(units))
         if by_gatherer:
@@ -182,9 +182,9 @@ class GatheredParameters:
         set_available(self._partitioned, False)
 
 
-def _gathered(unit: FlatUnit, trained: TrainedParameters) -> bool:
-    """Whether the engine gathers ``unit``'s parameters for use (stage 3): they are empty between uses."""
-    return trained.gatherer is not None and unit.plan.shard_parameters
+def _gatherer_of(unit: FlatUnit, trained: TrainedParameters) -> ParameterGatherer | None:
+    """The gatherer that gathers ``unit``'s parameters for use (stage 3: empty between uses), or None."""
+    return trained.gatherer if unit.plan.shard_parameters else None
 
 
 def _missing(param: nn.Parameter) -> tuple[torch.Size, torch.Tensor, Comm]:

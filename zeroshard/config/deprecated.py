@@ -44,6 +44,10 @@ def _note(notes: list[str], old: str, new: str) -> None:
     notes.append(f"{old} is deprecated; read as {new}. Use the new key to silence this warning.")
 
 
+def _both_given(problems: Problems, old: str, new: str, at: str = "") -> None:
+    problems.add(f"{at}{old}: given together with {at}{new}, which replaces it; keep only {new}")
+
+
 def _flag(zero: dict[str, Any], key: str, problems: Problems) -> bool | None:
     value = zero.pop(key)
     if not isinstance(value, bool):
@@ -60,10 +64,7 @@ def _cpu_offload(zero: dict[str, Any], old: str, new: str, notes: list[str], pro
         return False
     if new in zero:
         zero.pop(old)
-        problems.add(
-            f"zero_optimization.{old}: given together with zero_optimization.{new}, which replaces it; "
-            f"keep only {new}"
-        )
+        _both_given(problems, old, new, at="zero_optimization.")
         return False
     value = _flag(zero, old, problems)
     if value:
@@ -110,10 +111,7 @@ def _zero(
         given_new = [key for key in _GATHER_NEW if key in zero]
         value = zero.pop(old)
         if given_new:
-            problems.add(
-                f"zero_optimization.{old}: given together with zero_optimization.{given_new[0]}, which "
-                f"replaces it; keep only {given_new[0]}"
-            )
+            _both_given(problems, old, given_new[0], at="zero_optimization.")
         else:
             zero[_GATHER_NEW[0]] = value
             renamed[f"zero_optimization.{_GATHER_NEW[0]}"] = f"zero_optimization.{old}"
@@ -160,7 +158,7 @@ def apply_deprecations(
     if "bfloat16" in out:
         legacy = out.pop("bfloat16")
         if "bf16" in out:
-            problems.add("bfloat16: given together with bf16, which replaces it; keep only bf16")
+            _both_given(problems, "bfloat16", "bf16")
         else:
             out["bf16"] = legacy
             renamed["bf16"] = "bfloat16"

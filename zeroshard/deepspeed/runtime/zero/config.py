@@ -88,27 +88,28 @@ def _signature() -> inspect.Signature:
 DeepSpeedZeroConfig.__signature__ = _signature()
 
 
-def _current_keys(zero: Mapping[str, Any]) -> dict[str, Any]:
-    """``zero`` with DeepSpeed's deprecated keys rewritten (one warning each) and aliases renamed."""
+def _rewritten(ds_config: Mapping[str, Any], origin: str) -> dict[str, Any]:
+    """``ds_config`` with DeepSpeed's deprecated keys rewritten (``config/deprecated.py``), one warning
+    each; their problems raised as one ``ConfigError`` naming ``origin``."""
     notes: list[str] = []
     problems = Problems()
-    current = apply_deprecations({"zero_optimization": dict(zero)}, notes, problems)["zero_optimization"]
-    problems.raise_if_any("DeepSpeedZeroConfig")
+    current = apply_deprecations(ds_config, notes, problems)
+    problems.raise_if_any(origin)
     for note in notes:
         logger.warning(note)
+    return current
+
+
+def _current_keys(zero: Mapping[str, Any]) -> dict[str, Any]:
+    """``zero`` with DeepSpeed's deprecated keys rewritten and aliases renamed."""
+    current = _rewritten({"zero_optimization": dict(zero)}, "DeepSpeedZeroConfig")["zero_optimization"]
     return {ZeroConfig.input_aliases.get(key, key): value for key, value in current.items()}
 
 
 def get_zero_config(param_dict: Mapping[str, Any]) -> DeepSpeedZeroConfig:
     """The ``zero_optimization`` block of the ds_config ``param_dict`` (also its old ``true``/``false``
     form), as :class:`DeepSpeedZeroConfig`."""
-    notes: list[str] = []
-    problems = Problems()
-    current = apply_deprecations(param_dict, notes, problems)
-    problems.raise_if_any("ds_config")
-    for note in notes:
-        logger.warning(note)
-    return DeepSpeedZeroConfig(**current.get("zero_optimization", {}))
+    return DeepSpeedZeroConfig(**_rewritten(param_dict, "ds_config").get("zero_optimization", {}))
 
 
 __getattr__ = surface.fallback(__name__)  # the DeepSpeed names not written here
