@@ -56,6 +56,19 @@ class _AliasLoader(importlib.abc.Loader):
     def exec_module(self, module: ModuleType) -> None:
         # The import system has just set module.__spec__ to the alias's spec: give the module its own back.
         module.__spec__ = self._own_spec
+        _alias_imported()
+
+
+def _alias_imported() -> None:
+    """Register ``deepspeed.X`` in ``sys.modules`` for every ``zeroshard.deepspeed.X`` imported so far.
+
+    A later ``import deepspeed.X`` then finds the module there, as it would in DeepSpeed, where importing
+    the package imported it. Loading it afresh under the alias would set it as an attribute of its package,
+    over the function or class the package imported under the same name (``deepspeed.utils.z3_leaf_module``
+    is a function, ``deepspeed.utils.tensor_fragment`` a class)."""
+    for name, module in list(sys.modules.items()):
+        if name.startswith(TARGET + "."):
+            sys.modules.setdefault(ALIAS + name[len(TARGET) :], module)
 
 
 class _AliasDistribution(importlib.metadata.Distribution):

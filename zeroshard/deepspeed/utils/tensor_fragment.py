@@ -10,10 +10,19 @@ The getters are collective: call on all ranks with the same parameter (the value
 rank's shard). The ``safe_set_full_*`` setters of gradients and optimizer state write this rank's pieces of
 the value it is given and communicate nothing, as DeepSpeed's (give every rank the same value);
 ``safe_set_full_fp32_param`` is collective (rank 0's value is kept).
+
+The ``safe_*_local_*`` functions read and write this rank's part of a ZeRO-3 parameter only, with no
+communication: the elements of the parameter in this rank's shard of its unit, 1-D, the same elements as
+``param.ds_tensor`` ([Note: flat layout] in core/layout.py; empty where the shard holds none of the
+parameter). As in DeepSpeed they are for ZeRO stage 3; elsewhere they raise ``ValueError``.
+
+A frozen parameter (``requires_grad=False``) has no master, gradient or optimizer state: the getters return
+``None`` for it and the setters change nothing, as DeepSpeed's.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -29,14 +38,23 @@ __all__ = [
     "safe_get_full_grad",
     "safe_get_full_optimizer_state",
     "safe_get_local_fp32_param",
+    "safe_get_local_grad",
+    "safe_get_local_optimizer_state",
     "safe_set_full_fp32_param",
     "safe_set_full_grad",
     "safe_set_full_optimizer_state",
+    "safe_set_local_fp32_param",
+    "safe_set_local_grad",
+    "safe_set_local_optimizer_state",
+    "safe_update_full_grad_vectorized",
 ]
 
 
-def _unit_and_index(param: nn.Parameter, what: str) -> tuple[FlatUnit, int, TrainedParameters]:
+def _unit_and_index(param: nn.Parameter, what: str) -> tuple[FlatUnit, int, TrainedParameters] | None:
+    """The unit holding ``param``, its index there and its engine's parameters; None for a frozen one."""
     owner = owner_of(param)
+    if owner is None and not param.requires_grad:
+        return None  # frozen: trained by no unit, as DeepSpeed maps no master to it
     if owner is None:
         raise ValueError(
             f"{what}: the parameter (shape {tuple(param.shape)}) is not trained by a zeroshard engine; "
@@ -47,16 +65,13 @@ def _unit_and_index(param: nn.Parameter, what: str) -> tuple[FlatUnit, int, Trai
     return unit, index, trained
 
 
-def safe_get_full_fp32_param(param: nn.Parameter) -> torch.Tensor:
+def safe_get_full_fp32_param(param: nn.Parameter) -> torch.Tensor | None:
     """The parameter's full fp32 (master) value, shaped like the parameter. Collective: all ranks."""
-    unit, index, trained = _unit_and_index(param, "safe_get_full_fp32_param")
+    if (found := _unit_and_index(param, "safe_get_full_fp32_param")) is None:
+        return None
+    unit, index, trained = found
     flat = gather_param_from_shards(trained.shard, unit, index, unit.master, "export")
     return flat.reshape(unit.shapes[index]).clone()
-
-
-def safe_get_local_fp32_param(param: nn.Parameter) -> torch.Tensor:
-    """DeepSpeed's per-rank fragment accessor: here the full value (see ``safe_get_full_fp32_param``)."""
-    return safe_get_full_fp32_param(param)
 
 
 def safe_set_full_fp32_param(param: nn.Parameter, value: torch.Tensor) -> None:
@@ -66,7 +81,9 @@ def safe_set_full_fp32_param(param: nn.Parameter, value: torch.Tensor) -> None:
     passes through the parameter's dtype, so under bf16/fp16 the master gets the rounded value.
     Collective: all ranks.
     """
-    unit, index, _ = _unit_and_index(param, "safe_set_full_fp32_param")
+    if (found := _unit_and_index(param, "safe_set_full_fp32_param")) is None:
+        return
+    unit, index, _ = found
     _flat_value(unit, index, value, "safe_set_full_fp32_param")  # checks the shape
     with GatheredParameters([param], modifier_rank=0), torch.no_grad():
         param.copy_(value.to(device=param.device, dtype=param.dtype))
@@ -85,7 +102,9 @@ def safe_get_full_grad(param: nn.Parameter) -> torch.Tensor | None:
     """
     if param.grad is not None:
         return param.grad
-    unit, index, trained = _unit_and_index(param, "safe_get_full_grad")
+    if (found := _unit_and_index(param, "safe_get_full_grad")) is None:
+        return None
+    unit, index, trained = found
     shape = unit.shapes[index]
     whole = _whole_grad(unit)
     if whole is not None:
@@ -101,7 +120,9 @@ def safe_set_full_grad(param: nn.Parameter, value: torch.Tensor) -> None:
     if param.grad is not None:
         param.grad.copy_(value)
         return
-    unit, index, _ = _unit_and_index(param, "safe_set_full_grad")
+    if (found := _unit_and_index(param, "safe_set_full_grad")) is None:
+        return
+    unit, index, _ = found
     flat = _flat_value(unit, index, value, "safe_set_full_grad")
     unit.grad_written()
     whole = _whole_grad(unit)
@@ -164,7 +185,9 @@ def safe_get_full_optimizer_state(param: nn.Parameter, optim_state_key: str) -> 
         ValueError: no optimizer, no state before the first step, or a key the optimizer does not keep per
             element (naming the keys it does).
     """
-    unit, index, trained = _unit_and_index(param, "safe_get_full_optimizer_state")
+    if (found := _unit_and_index(param, "safe_get_full_optimizer_state")) is None:
+        return None
+    unit, index, trained = found
     pieces, dtype = _states(trained, unit, index, optim_state_key, "safe_get_full_optimizer_state")
     shard = torch.zeros(unit.layout.shard_size, dtype=dtype, device=unit.master.device)
     for sl, tensor in pieces:
@@ -176,10 +199,138 @@ def safe_get_full_optimizer_state(param: nn.Parameter, optim_state_key: str) -> 
 def safe_set_full_optimizer_state(param: nn.Parameter, value: torch.Tensor, optim_state_key: str) -> None:
     """Write ``value`` (shaped like the parameter) into this rank's pieces of the optimizer state
     ``optim_state_key``; give every rank the same value. Local."""
-    unit, index, trained = _unit_and_index(param, "safe_set_full_optimizer_state")
+    if (found := _unit_and_index(param, "safe_set_full_optimizer_state")) is None:
+        return
+    unit, index, trained = found
     flat = _flat_value(unit, index, value, "safe_set_full_optimizer_state")
     for sl, tensor in _states(trained, unit, index, optim_state_key, "safe_set_full_optimizer_state")[0]:
         start = sl.piece.param_start
+        tensor.copy_(flat[start : start + sl.piece.numel].reshape(tensor.shape))
+
+
+def safe_update_full_grad_vectorized(
+    param_list: Sequence[nn.Parameter], update_func: Callable[[torch.Tensor, nn.Parameter], torch.Tensor]
+) -> None:
+    """Replace each parameter's whole gradient by ``update_func(gradient, param)``, where
+    :func:`safe_get_full_grad` reads it and :func:`safe_set_full_grad` writes it (frozen parameters are
+    skipped). Collective: all ranks, with the same parameters in the same order."""
+    for param in param_list:
+        if param.grad is not None:
+            param.grad.copy_(update_func(param.grad, param))
+        elif param.requires_grad:
+            grad = safe_get_full_grad(param)
+            if grad is not None:
+                safe_set_full_grad(param, update_func(grad, param))
+
+
+# --- this rank's part of a ZeRO-3 parameter -------------------------------------------------------------
+
+
+def _local(param: nn.Parameter, what: str) -> tuple[FlatUnit, int, TrainedParameters, slice] | None:
+    """``_unit_and_index`` and the parameter's elements in this rank's shard, as a slice of the shard
+    (empty where the shard holds none); ``ValueError`` unless the parameter is sharded (ZeRO stage 3)."""
+    if (found := _unit_and_index(param, what)) is None:
+        return None
+    unit, index, trained = found
+    if trained.gatherer is None:  # only a stage-3 engine gathers parameters
+        raise ValueError(
+            f"{what}({unit.names[index]}): the local APIs read a ZeRO-3 parameter's shard, and this engine "
+            f"runs ZeRO stage {unit.plan.stage}; use the safe_get_full_* / safe_set_full_* functions"
+        )
+    piece = next((p for p in unit.layout.pieces(unit.rank) if p.index == index), None)
+    span = slice(0, 0) if piece is None else slice(piece.shard_start, piece.shard_start + piece.numel)
+    return unit, index, trained, span
+
+
+def _local_value(unit: FlatUnit, index: int, span: slice, value: torch.Tensor, what: str) -> torch.Tensor:
+    numel = span.stop - span.start
+    if value.numel() != numel:
+        raise ValueError(
+            f"{what}({unit.names[index]}): value has {value.numel()} elements, this rank's part of the "
+            f"parameter {numel} (the shape of param.ds_tensor)"
+        )
+    return value.detach().reshape(-1)
+
+
+def _local_master(unit: FlatUnit, index: int, span: slice, what: str) -> torch.Tensor:
+    master = unit.store.master_piece(unit, span.start, span.stop - span.start)
+    if master.numel() != span.stop - span.start:
+        raise ValueError(
+            f"{what}({unit.names[index]}): the master is not in memory (offload_optimizer nvme keeps it in "
+            "files between steps)"
+        )
+    return master
+
+
+def safe_get_local_fp32_param(param: nn.Parameter) -> torch.Tensor | None:
+    """A copy of this rank's part of the parameter's fp32 master (1-D, like ``param.ds_tensor``). Local."""
+    if (found := _local(param, "safe_get_local_fp32_param")) is None:
+        return None
+    unit, index, _, span = found
+    return _local_master(unit, index, span, "safe_get_local_fp32_param").clone()
+
+
+def safe_set_local_fp32_param(param: nn.Parameter, value: torch.Tensor) -> None:
+    """Write ``value`` (this rank's part, as :func:`safe_get_local_fp32_param` returns it) into the master
+    and the parameter shard gathered from it. Local: each rank writes its own part."""
+    if (found := _local(param, "safe_set_local_fp32_param")) is None:
+        return
+    unit, index, _, span = found
+    flat = _local_value(unit, index, span, value, "safe_set_local_fp32_param")
+    _local_master(unit, index, span, "safe_set_local_fp32_param").copy_(flat)
+    unit.master_to_full()
+
+
+def safe_get_local_grad(param: nn.Parameter) -> torch.Tensor | None:
+    """A copy of this rank's part of the parameter's gradient (1-D, the accumulation dtype), as
+    :func:`safe_get_full_grad` describes the gradient. Local."""
+    if (found := _local(param, "safe_get_local_grad")) is None:
+        return None
+    unit, _, _, span = found
+    return _grad_part(unit, span).clone()
+
+
+def safe_set_local_grad(param: nn.Parameter, value: torch.Tensor) -> None:
+    """Write ``value`` into this rank's part of the parameter's gradient (see :func:`safe_get_local_grad`).
+    Local."""
+    if (found := _local(param, "safe_set_local_grad")) is None:
+        return
+    unit, index, _, span = found
+    flat = _local_value(unit, index, span, value, "safe_set_local_grad")
+    unit.grad_written()
+    _grad_part(unit, span).copy_(flat)
+
+
+def _grad_part(unit: FlatUnit, span: slice) -> torch.Tensor:
+    """The gradient of shard elements ``span``: in the whole gradient while it is not reduced yet."""
+    whole = _whole_grad(unit)
+    if whole is None:
+        return unit.grad_shard[span]
+    lo, _ = unit.layout.shard_range(unit.rank)
+    return whole[lo + span.start : lo + span.stop]
+
+
+def safe_get_local_optimizer_state(param: nn.Parameter, optim_state_key: str) -> torch.Tensor | None:
+    """A copy of this rank's part of the parameter's optimizer state ``optim_state_key`` (1-D). Local."""
+    if (found := _local(param, "safe_get_local_optimizer_state")) is None:
+        return None
+    unit, index, trained, span = found
+    pieces, dtype = _states(trained, unit, index, optim_state_key, "safe_get_local_optimizer_state")
+    out = torch.empty(span.stop - span.start, dtype=dtype, device=unit.master.device)
+    for sl, tensor in pieces:
+        start = sl.piece.shard_start - span.start
+        out[start : start + sl.piece.numel].copy_(tensor.reshape(-1))
+    return out
+
+
+def safe_set_local_optimizer_state(param: nn.Parameter, value: torch.Tensor, optim_state_key: str) -> None:
+    """Write ``value`` into this rank's part of the optimizer state ``optim_state_key``. Local."""
+    if (found := _local(param, "safe_set_local_optimizer_state")) is None:
+        return
+    unit, index, trained, span = found
+    flat = _local_value(unit, index, span, value, "safe_set_local_optimizer_state")
+    for sl, tensor in _states(trained, unit, index, optim_state_key, "safe_set_local_optimizer_state")[0]:
+        start = sl.piece.shard_start - span.start
         tensor.copy_(flat[start : start + sl.piece.numel].reshape(tensor.shape))
 
 
