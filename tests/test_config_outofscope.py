@@ -145,6 +145,11 @@ FEATURES: list[tuple[dict[str, Any], tuple[str, ...], dict[str, Any]]] = [
     ),
     ({"datastates_ckpt": {"host_cache_size": 16}}, ("DataStates",), {"datastates_ckpt": False}),
     (
+        {"comet": {"enabled": True, "project": "p"}},
+        ("Comet monitor", "comet.enabled=true"),
+        {"comet": {"enabled": False, "project": "p"}},
+    ),
+    (
         {"managed_gradient_accumulation": False, "graph_harvesting": True},
         ("engine switches", "managed_gradient_accumulation=false", "graph_harvesting=true"),
         {"managed_gradient_accumulation": True, "graph_harvesting": False},

@@ -91,6 +91,7 @@ OUT_OF_SCOPE: tuple[Feature, ...] = (
     Feature("the hybrid engine", "hybrid_engine", "enabled"),
     Feature("Nebula checkpointing", "nebula", "enabled"),
     Feature("DataStates checkpointing", "datastates_ckpt", "present"),
+    Feature("the Comet monitor", "comet", "enabled"),
     Feature("DeepSpeed engine switches", "", "changed", _ENGINE_SWITCHES),
 )
 """Every DeepSpeed feature zeroshard does not implement, and when a config turns it on; one warning per
