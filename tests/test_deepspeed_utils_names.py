@@ -556,6 +556,54 @@ def zero_config_cases(root: str) -> dict[str, Any]:
     return out
 
 
+def config_and_monitor_cases(root: str) -> dict[str, Any]:
+    """``DeepSpeedConfig``'s derived attributes and the monitor config."""
+    rc = importlib.import_module(f"{root}.runtime.config")
+    mc = importlib.import_module(f"{root}.monitor.config")
+    configs: list[dict[str, Any]] = [{"train_batch_size": 2}]
+    configs += [
+        {
+            "train_micro_batch_size_per_gpu": 4,
+            "gradient_accumulation_steps": 2,
+            "gradient_clipping": 0.5,
+            "bf16": {"enabled": True},
+            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 7},
+            "optimizer": {"type": "AdamW", "params": {"lr": 0.001, "weight_decay": 0.01}},
+            "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10}},
+            "tensorboard": {"enabled": True, "output_path": "tb/", "job_name": "j"},
+            "wandb": {"group": "g", "team": "t", "project": "p"},
+            "csv_monitor": {"enabled": False, "output_path": "csv/"},
+        },
+        {
+            "train_batch_size": 8,
+            "fp16": {"enabled": True, "loss_scale": 128},
+            "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        },
+    ]
+
+    def derived(data: dict[str, Any]) -> dict[str, Any]:
+        c = rc.DeepSpeedConfig(data)
+        m = c.monitor_config
+        return {
+            "batch": [c.train_batch_size, c.train_micro_batch_size_per_gpu, c.gradient_accumulation_steps],
+            "zero": [c.zero_enabled, c.zero_optimization_stage, c.zero_config.stage],
+            "persistence": c.zero_config.param_persistence_threshold,
+            "precision": [c.float16_config.enabled, c.float16_config.loss_scale, c.bfloat16_config.enabled],
+            "optimizer": [c.optimizer_name, c.optimizer_params, c.scheduler_name, c.scheduler_params],
+            "clipping": c.gradient_clipping,
+            "world": [c.world_size, c.global_rank],
+            "monitor": [m.enabled, m.tensorboard.enabled, m.tensorboard.output_path, m.tensorboard.job_name],
+            "wandb": [m.wandb.enabled, m.wandb.group, m.wandb.team, m.wandb.project],
+            "csv": [m.csv_monitor.enabled, m.csv_monitor.output_path, m.csv_monitor.job_name],
+        }
+
+    out: dict[str, Any] = {"configs": [derived(c) for c in configs]}
+    defaults: Any = mc.DeepSpeedMonitorConfig()
+    out["defaults"] = [defaults.enabled, defaults.tensorboard.job_name, defaults.wandb.project]
+    out["get"] = mc.get_monitor_config({"csv_monitor": {"enabled": True}}).enabled
+    return out
+
+
 def local_cases(root: str) -> dict[str, Any]:
     """Every single-process case against DeepSpeed module tree ``root`` (``deepspeed`` or
     ``zeroshard.deepspeed``)."""
@@ -571,8 +619,34 @@ def local_cases(root: str) -> dict[str, Any]:
                 "throughput_timer": throughput_timer_cases(root),
                 "config_utils": config_utils_cases(root),
                 "zero_config": zero_config_cases(root),
+                "config_and_monitors": config_and_monitor_cases(root),
             }
         )
+
+
+def monitor_cases(root: str, rank: int) -> dict[str, Any]:
+    """The CSV monitor and ``MonitorMaster`` writing events, rank 0 only (values as floats: zeroshard
+    writes every value as a float, DeepSpeed as given); a disabled TensorBoard monitor."""
+    mc = importlib.import_module(f"{root}.monitor.config")
+    mon = importlib.import_module(f"{root}.monitor.monitor")
+    out: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        writer = mon.csvMonitor(mc.CSVConfig(enabled=True, output_path=tmp, job_name="job"))
+        events = [("Train/Samples/train_loss", 1.5, 8), ("Train/Samples/lr", 0.25, 8)]
+        writer.write_events(events)
+        writer.write_events([("Train/Samples/train_loss", 1.25, 16)])
+        where = Path(tmp, "job")
+        out["csv_files"] = {f.name: f.read_text() for f in sorted(where.glob("*"))}
+        out["csv_attrs"] = [writer.log_dir and os.path.relpath(writer.log_dir, tmp), writer.filenames]
+        blocks = {"csv_monitor": {"enabled": True, "output_path": tmp}}
+        master = mon.MonitorMaster(mc.get_monitor_config(blocks))
+        master.write_events([("Eval/acc", 0.5, 3)])
+        written = Path(tmp, "DeepSpeedJobName", "Eval_acc.csv")
+        out["master"] = [master.enabled, written.read_text() if written.exists() else None]
+    off = mon.TensorBoardMonitor(mc.TensorBoardConfig())
+    off.write_events(events)
+    out["tb_off"] = [off.enabled, off.summary_writer is None, off.output_path, off.job_name]
+    return out
 
 
 def dist_cases(root: str, rank: int, world_size: int) -> dict[str, Any]:
@@ -610,6 +684,7 @@ def dist_cases(root: str, rank: int, world_size: int) -> dict[str, Any]:
     out["clip_grad_norm_"] = clipped
     status = u.get_ma_status()
     out["get_ma_status"] = status == 0 if rank else isinstance(status, int)
+    out["monitors"] = monitor_cases(root, rank)
     return out
 
 

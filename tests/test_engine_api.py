@@ -224,12 +224,21 @@ def test_engine_feeds_the_csv_monitor_and_timers(tmp_path: Any) -> None:
             losses.append(float(loss.detach()))
             engine.backward(loss)
             engine.step()
+        # A script's own events go to the same monitors (DeepSpeed-Chat logs its eval scores so).
+        assert engine.monitor.enabled
+        reward = torch.tensor(0.25 * step)
+        engine.monitor.write_events([("Eval/Samples/reward", reward, engine.global_samples)])
     engine.destroy()
     rows = (tmp_path / "run" / "Train_Samples_train_loss.csv").read_text().splitlines()
     assert len(rows) == 1 + 3  # header and one row per optimizer step, x = global samples
     first = rows[1].split(",")
     assert int(first[0]) == 4 and float(first[1]) == pytest.approx((losses[0] + losses[1]) / 2, rel=1e-5)
     assert set(engine.telemetry.timings()) >= {"forward", "backward", "reduce", "step"}
+    rewards = (tmp_path / "run" / "Eval_Samples_reward.csv").read_text()
+    assert rewards == "step,reward\n4,0.0\n8,0.25\n12,0.5\n"
+    quiet, *_ = zeroshard.initialize(model=make_model(0), config=_config(1, 1, optimizer=config["optimizer"]))
+    assert not quiet.monitor.enabled
+    quiet.monitor.write_events([("Eval/acc", 1.0, 1)])  # no monitor: nothing is written, nothing fails
 
 
 def test_throughput_timer_follows_forward_and_step() -> None:

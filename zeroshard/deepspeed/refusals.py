@@ -58,7 +58,7 @@ FEATURES: dict[str, str] = {
     "deepspeed.profiling": (
         "DeepSpeed's FLOPs profiler (torch.utils.flop_counter.FlopCounterMode counts a model's FLOPs)"
     ),
-    "deepspeed.monitor": "DeepSpeed's monitor classes (zeroshard reads the same config blocks)",
+    "deepspeed.monitor": "the Comet monitor (TensorBoard, CSV and W&B are written)",
     "deepspeed.nvme": "DeepSpeed's NVMe benchmarking tools",
     "deepspeed.io": "DeepSpeed's FastPersist file writers",
     "deepspeed.datastates": "DataStates asynchronous checkpointing",

@@ -25,6 +25,7 @@ from zeroshard.runtime.state_offload import (
     StateOffload,
     require_offloadable,
 )
+from zeroshard.telemetry.monitors import MonitorMaster
 from zeroshard.telemetry.throughput import ThroughputTimer
 
 if TYPE_CHECKING:
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
     from zeroshard.core.grad_sync import GradientReducer
     from zeroshard.core.loss_scaler import LossScaler
     from zeroshard.core.stages import StagePlan
+    from zeroshard.telemetry.telemetry import Telemetry
 
 __all__ = ["DeepSpeedSurface"]
 
@@ -52,6 +54,7 @@ class DeepSpeedSurface(nn.Module):
     optimizer: torch.optim.Optimizer | None
     loss_scaler: LossScaler | None
     reducer: GradientReducer
+    telemetry: Telemetry
     _grad_norm: float | None
     _boundary_override: bool | None = None
     _tput_timer: ThroughputTimer | None = None
@@ -251,6 +254,13 @@ class DeepSpeedSurface(nn.Module):
                 steps_per_output=self.config.steps_per_print,
             )
         return self._tput_timer
+
+    @property
+    def monitor(self) -> MonitorMaster:
+        """DeepSpeed's ``engine.monitor``: ``write_events([(name, value, x), ...])`` writes a script's own
+        events to the config's TensorBoard, CSV and W&B monitors on rank 0, beside the engine's; ``enabled``
+        says whether the config enables one."""
+        return MonitorMaster(self.telemetry.monitors, self.telemetry.monitored)
 
     # -- consolidated weights --------------------------------------------------------------------------
     def _zero3_consolidated_16bit_state_dict(

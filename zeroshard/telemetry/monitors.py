@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import importlib.util
 import os
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -20,6 +21,7 @@ __all__ = [
     "CSVMonitor",
     "Event",
     "Monitor",
+    "MonitorMaster",
     "TensorBoardMonitor",
     "WandbMonitor",
     "build_monitors",
@@ -45,15 +47,15 @@ class TensorBoardMonitor:
 
         os.makedirs(log_dir, exist_ok=True)
         self.log_dir = log_dir
-        self._writer = SummaryWriter(log_dir=log_dir)
+        self.writer = SummaryWriter(log_dir=log_dir)
 
     def write_events(self, events: list[Event]) -> None:
         for name, value, step in events:
-            self._writer.add_scalar(name, value, step)
-        self._writer.flush()
+            self.writer.add_scalar(name, value, step)
+        self.writer.flush()
 
     def close(self) -> None:
-        self._writer.close()
+        self.writer.close()
 
 
 class CSVMonitor:
@@ -87,17 +89,35 @@ class WandbMonitor:
     def __init__(self, project: str, group: str | None, team: str | None, config: dict[str, Any]) -> None:
         import wandb
 
-        self._run = wandb.init(project=project, group=group, entity=team, config=config)
+        self.run = wandb.init(project=project, group=group, entity=team, config=config)
 
     def write_events(self, events: list[Event]) -> None:
         by_step: dict[int, dict[str, float]] = {}
         for name, value, step in events:
             by_step.setdefault(step, {})[name] = value
         for step, values in sorted(by_step.items()):
-            self._run.log(values, step=step)
+            self.run.log(values, step=step)
 
     def close(self) -> None:
-        self._run.finish()
+        self.run.finish()
+
+
+class MonitorMaster:
+    """DeepSpeed's ``engine.monitor``: the config's monitors behind one ``write_events``.
+
+    ``enabled`` says whether the config enables a monitor, the same on every rank. Only rank 0 holds
+    monitors, so ``write_events`` writes there and does nothing on the other ranks, as DeepSpeed's does. An
+    event is ``(name, value, x)``; ``value`` may be a number or a one-element tensor.
+    """
+
+    def __init__(self, monitors: Sequence[Monitor], enabled: bool) -> None:
+        self.monitors = list(monitors)
+        self.enabled = enabled
+
+    def write_events(self, event_list: Iterable[tuple[str, Any, int]]) -> None:
+        events = [(str(name), float(value), int(x)) for name, value, x in event_list]
+        for monitor in self.monitors:
+            monitor.write_events(events)
 
 
 _EXTRAS = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb")}

@@ -113,6 +113,11 @@ class Telemetry:
         self._steps_since_print = 0
         self._closed = False
 
+    @property
+    def monitored(self) -> bool:
+        """Whether the config enables a monitor (the same on every rank; only rank 0 holds them)."""
+        return self._monitored
+
     @classmethod
     def from_config(
         cls, config: ZeroshardConfig, rank: int, world_size: int, comm: Comm | None = None

@@ -1,4 +1,4 @@
-"""``deepspeed.runtime.config``: ``DeepSpeedConfig`` builds zeroshard's validated config."""
+"""``deepspeed.runtime.config``: ``DeepSpeedConfig``, a loaded ds_config as DeepSpeed's class presents it."""
 
 from __future__ import annotations
 
@@ -6,23 +6,105 @@ from typing import Any
 
 from zeroshard.config import ZeroshardConfig, load_config
 from zeroshard.deepspeed import surface
-from zeroshard.deepspeed.comm import get_world_size
+from zeroshard.deepspeed.comm import get_rank, get_world_size
+from zeroshard.deepspeed.monitor.config import DeepSpeedMonitorConfig, get_monitor_config
+from zeroshard.deepspeed.runtime.precision_config import (
+    DeepSpeedBF16Config,
+    DeepSpeedFP16Config,
+    get_bfloat16_config,
+    get_float16_config,
+)
+from zeroshard.deepspeed.runtime.zero.config import DeepSpeedZeroConfig, get_zero_config
 from zeroshard.errors import DeepSpeedConfigError
 
 __all__ = ["DeepSpeedConfig", "DeepSpeedConfigError"]
 
+# DeepSpeed's names of the optimizers it builds itself: its optimizer_name lower-cases a "type" naming one.
+_DEEPSPEED_OPTIMIZERS = ("adagrad", "adam", "adamw", "lamb", "muadam", "muadamw", "musgd", "lion", "muon")
 
-def DeepSpeedConfig(
-    config: str | dict[str, Any], mpu: Any = None, mesh_device: Any = None
-) -> ZeroshardConfig:
-    """Load and validate a ds_config (a dict or a JSON path) for this world size, as DeepSpeed's class does.
 
-    Returns zeroshard's :class:`~zeroshard.config.ZeroshardConfig`: the same keys as attributes
-    (``cfg.zero_optimization.stage``), and as items (``cfg["zero_optimization"]["stage"]``).
+class DeepSpeedConfig:
+    """A ds_config (a dict, or a JSON/Hjson/base64 path), loaded and validated for this world size as
+    DeepSpeed's class does.
+
+    Its keys read as attributes and items, as zeroshard's :class:`~zeroshard.config.ZeroshardConfig` gives
+    them (``cfg.zero_optimization.stage``, ``cfg["gradient_clipping"]``, the batch sizes resolved), and
+    DeepSpeed's derived attributes are there too: ``zero_config``, ``zero_enabled``,
+    ``zero_optimization_stage``, ``float16_config``, ``bfloat16_config``, ``monitor_config``,
+    ``optimizer_name``, ``optimizer_params``, ``scheduler_name``, ``scheduler_params``, ``world_size``,
+    ``global_rank`` and ``_param_dict`` (the config as a dict). ``config`` is the ``ZeroshardConfig``.
     """
-    if mpu is not None:
-        raise ValueError("DeepSpeedConfig(mpu=...): model parallelism is not supported by zeroshard")
-    return load_config(config, world_size=get_world_size())
+
+    def __init__(self, config: str | dict[str, Any], mpu: Any = None, mesh_device: Any = None) -> None:
+        if mpu is not None:
+            raise ValueError("DeepSpeedConfig(mpu=...): model parallelism is not supported by zeroshard")
+        self.world_size = get_world_size()
+        self.global_rank = get_rank()
+        self.config: ZeroshardConfig = load_config(config, world_size=self.world_size)
+        self._param_dict: dict[str, Any] = self.config.to_dict()
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name == "config":
+            raise AttributeError(name)
+        try:
+            return getattr(self.config, name)
+        except AttributeError:
+            raise AttributeError(
+                f"DeepSpeedConfig has no attribute {name!r} in zeroshard: read the ds_config's keys "
+                "(cfg.<key>, cfg['<key>'])"
+            ) from None
+
+    def __getitem__(self, key: str) -> Any:
+        return self.config[key]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.config
+
+    @property
+    def zero_config(self) -> DeepSpeedZeroConfig:
+        return get_zero_config(self._param_dict)
+
+    @property
+    def zero_optimization_stage(self) -> int:
+        return int(self.config.zero_optimization.stage)
+
+    @property
+    def zero_enabled(self) -> bool:
+        return self.zero_optimization_stage > 0
+
+    @property
+    def float16_config(self) -> DeepSpeedFP16Config:
+        return get_float16_config(self._param_dict)
+
+    @property
+    def bfloat16_config(self) -> DeepSpeedBF16Config:
+        return get_bfloat16_config(self._param_dict)
+
+    @property
+    def monitor_config(self) -> DeepSpeedMonitorConfig:
+        return get_monitor_config(self._param_dict)
+
+    @property
+    def optimizer_name(self) -> str | None:
+        if self.config.optimizer is None:
+            return None
+        name = self.config.optimizer.type
+        return name.lower() if name.lower() in _DEEPSPEED_OPTIMIZERS else name
+
+    @property
+    def optimizer_params(self) -> dict[str, Any] | None:
+        block = self._param_dict.get("optimizer")
+        return None if block is None else block.get("params")
+
+    @property
+    def scheduler_name(self) -> str | None:
+        block = self._param_dict.get("scheduler")
+        return None if block is None else block.get("type")
+
+    @property
+    def scheduler_params(self) -> dict[str, Any] | None:
+        block = self._param_dict.get("scheduler")
+        return None if block is None else block.get("params")
 
 
 __getattr__ = surface.fallback(__name__)  # the DeepSpeed names not written here
