@@ -97,3 +97,30 @@ def test_a_script_that_never_destroys_its_group_exits_cleanly(tmp_path: Path) ->
         log = done.stdout + done.stderr
         assert done.returncode == 0, f"launch {attempt}:\n{log[-4000:]}"
         assert log.count("exit-ok") == 2 and "terminate called" not in log, log[-4000:]
+
+
+def test_dist_init_required_false_needs_a_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``dist_init_required=False`` promises a joined group. Where a launcher started several processes and
+    none is joined, every entry point refuses (a ``UsageError``, also DeepSpeed's ``AssertionError``) instead of
+    letting each process train alone as world size 1; DeepSpeed's ``init_distributed`` refuses it always.
+    One process without a launcher still trains through zeroshard's own ``initialize``."""
+    assert not dist.is_initialized()
+    for name in LAUNCHER:
+        monkeypatch.delenv(name, raising=False)
+    config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    engine, *_ = zeroshard.initialize(model=torch.nn.Linear(2, 2), config=config, dist_init_required=False)
+    assert engine.comm.world_size == 1
+    engine.destroy()
+    with pytest.raises(AssertionError, match=r"dist_init_required=False\): torch.distributed is not"):
+        deepspeed.init_distributed("gloo", dist_init_required=False)
+    for name, value in {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(name, value)
+    calls: list[Callable[[], object]] = [
+        lambda: zeroshard.initialize(model=torch.nn.Linear(2, 2), config=config, dist_init_required=False),
+        lambda: deepspeed.initialize(model=torch.nn.Linear(2, 2), config=config, dist_init_required=False),
+    ]
+    for call in calls:
+        with pytest.raises(RuntimeError, match="not initialized although WORLD_SIZE=2") as info:
+            call()
+        assert isinstance(info.value, AssertionError)
+    assert not dist.is_initialized()

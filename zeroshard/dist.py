@@ -14,6 +14,7 @@ from torch import nn
 
 from zeroshard.attempt_store import attempt_store, under_agent_store
 from zeroshard.core.comm import DEFAULT_TIMEOUT, Comm
+from zeroshard.errors import UsageError
 from zeroshard.watchdog import heartbeat
 
 logger = logging.getLogger(__name__)
@@ -103,6 +104,39 @@ def init_distributed(
         "initialized %s process group: rank %d of %d", backend, dist.get_rank(), dist.get_world_size()
     )
     return True
+
+
+def join_process_group(dist_init_required: bool | None) -> None:
+    """What ``initialize(dist_init_required=...)`` does first: join the launcher's process group
+    (:func:`init_distributed`), or with ``False`` require one already joined where a launcher started
+    several processes (:func:`require_process_group`)."""
+    if dist_init_required is False:
+        require_process_group("initialize", launched_only=True)
+    else:
+        init_distributed()
+
+
+def require_process_group(what: str, *, launched_only: bool) -> None:
+    """``dist_init_required=False`` promises that the caller has joined the process group: refuse to go on
+    without one, where each process would otherwise train alone as world size 1, silently apart from the
+    others. ``launched_only``: only where a launcher started several processes (``WORLD_SIZE`` > 1), so that
+    one process without a launcher still trains (zeroshard's own ``initialize``); otherwise always, as
+    DeepSpeed's ``init_distributed`` asserts.
+
+    Raises:
+        UsageError: no process group is initialized (a ``RuntimeError`` and an ``AssertionError``).
+    """
+    if dist.is_initialized():
+        return
+    launched = int(os.environ.get("WORLD_SIZE", "1") or "1")
+    if launched_only and launched <= 1:
+        return
+    raise UsageError(
+        f"{what}(dist_init_required=False): torch.distributed is not initialized"
+        + (f" although WORLD_SIZE={launched}" if launched > 1 else "")
+        + "; call torch.distributed.init_process_group (or deepspeed.init_distributed) first, or leave "
+        "dist_init_required unset so that it joins the group itself"
+    )
 
 
 def _join(

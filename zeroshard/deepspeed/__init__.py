@@ -23,6 +23,7 @@ from zeroshard.deepspeed.accelerator import get_accelerator
 from zeroshard.deepspeed.distributed import TORCH_DISTRIBUTED_DEFAULT_PORT, init_distributed
 from zeroshard.deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError
 from zeroshard.deepspeed.runtime.zero.partition_parameters import _mark_stage3_params
+from zeroshard.runtime.build import checked_model
 from zeroshard.runtime.build import initialize as _initialize
 from zeroshard.runtime.engine import ZeroshardEngine as DeepSpeedEngine
 from zeroshard.version import __version__ as _zeroshard_version
@@ -70,15 +71,16 @@ def initialize(
 ) -> tuple[DeepSpeedEngine, torch.optim.Optimizer | None, Any, Any]:
     """``deepspeed.initialize`` with DeepSpeed 0.19's signature (argument order included).
 
-    Joins the process group (``init_distributed(distributed_port=...)``) unless ``dist_init_required`` is
-    False, then builds the engine with :func:`zeroshard.initialize`. At ZeRO stage 3 each trained parameter
+    Joins the process group (``init_distributed(distributed_port=...)``); with ``dist_init_required=False``
+    the group must be initialized already (``UsageError`` otherwise, as DeepSpeed asserts). Then builds
+    the engine with :func:`zeroshard.initialize`. At ZeRO stage 3 each trained parameter
     gets DeepSpeed's ``ds_numel``, ``ds_shape``, ``ds_id`` and ``ds_status`` attributes (see
     docs/porting.md). Collective: call on all ranks.
     """
     if mesh_param is not None:
         raise ValueError("initialize(mesh_param=...): tensor/sequence parallel meshes are not supported")
-    if dist_init_required is not False:
-        init_distributed(distributed_port=distributed_port)
+    checked_model(model, mpu)  # before joining, as DeepSpeed asserts the model first
+    init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
     engine, opt, loader, sched = _initialize(
         args=args,
         model=model,

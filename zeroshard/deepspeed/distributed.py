@@ -9,7 +9,7 @@ from typing import Any
 
 from zeroshard.core.comm import DEFAULT_TIMEOUT
 from zeroshard.dist import init_distributed as _join
-from zeroshard.dist import validate_rank
+from zeroshard.dist import require_process_group, validate_rank
 
 logger = logging.getLogger(__name__)
 
@@ -37,12 +37,15 @@ def init_distributed(
     ``distributed_port`` also fill in ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and
     ``MASTER_PORT`` where they are unset, so code that reads them later finds them. ``auto_mpi_discovery``,
     ``verbose`` and ``config`` are accepted and have no effect (zeroshard reads no MPI environment).
-    ``dist_init_required=False`` does nothing. A group already initialized is reused.
+    ``dist_init_required=False`` joins nothing and requires a group already initialized, as DeepSpeed's
+    asserts. A group already initialized is reused.
 
     Raises:
         ValueError: ``rank`` or ``world_size`` out of range, or a backend other than gloo and nccl.
+        UsageError: ``dist_init_required=False`` without an initialized group (an ``AssertionError`` too).
     """
     if dist_init_required is False:
+        require_process_group("init_distributed", launched_only=False)
         return
     validate_rank(rank, world_size)
     if rank >= 0 and world_size >= 0:

@@ -40,7 +40,7 @@ from zeroshard.core.stage3.secondary import GatherSource
 from zeroshard.core.stages import StagePlan, plan_for
 from zeroshard.core.units import UnitOptions, UnitRules, build_units
 from zeroshard.core_config import loss_scaler_from_config, policy_from_config, unit_rules_from_config
-from zeroshard.dist import init_distributed, local_rank, node_layout, training_device
+from zeroshard.dist import join_process_group, local_rank, node_layout, training_device
 from zeroshard.errors import ArgumentError
 from zeroshard.lr_schedules import build_scheduler
 from zeroshard.offload.setup import Offload, build_offload
@@ -81,9 +81,8 @@ def initialize(
         rank's shards (the client's own object, re-seated, when one was given); ``dataloader`` is None unless
         ``training_data`` was given.
     """
-    model = _checked_model(model, mpu)
-    if dist_init_required is not False:
-        init_distributed()
+    model = checked_model(model, mpu)
+    join_process_group(dist_init_required)
     # The liveness records this engine's collectives report to, and their heartbeat ([Note: liveness] in
     # watchdog/monitor.py).
     comm = Comm(group, monitor=heartbeat.monitor_for_world())
@@ -116,7 +115,7 @@ def initialize(
         return engine, opt, loader, scheduler
 
 
-def _checked_model(model: nn.Module | None, mpu: Any) -> nn.Module:
+def checked_model(model: nn.Module | None, mpu: Any) -> nn.Module:
     """The ``model=`` argument, refused with DeepSpeed's exception types when it is not a module."""
     if model is None:  # ArgumentError: also DeepSpeed's AssertionError ([Note: DeepSpeed's exception types])
         raise ArgumentError("initialize() needs model=: the torch.nn.Module to train")
