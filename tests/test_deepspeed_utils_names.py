@@ -550,6 +550,14 @@ def zero_config_cases(root: str) -> dict[str, Any]:
     out["fp16"] = [[c.enabled, c.loss_scale, c.initial_dynamic_scale()] for c in fp16]
     out["fp16_args"] = [c.dynamic_loss_scale_args() for c in fp16]
     out["fp16_refused"] = _attempt(lambda: pc.get_float16_config(halves[3]))
+    bounds: list[dict[str, Any]] = [
+        {"enabled": True, "loss_scale_window": 0},
+        {"enabled": True, "min_loss_scale": -1},
+    ]
+    bounds += [{"enabled": True, "loss_scale": 128, "min_loss_scale": -1}, {"loss_scale_window": 0}]
+    out["fp16_dynamic_bounds"] = [
+        _attempt(lambda b=b: pc.get_float16_config({"fp16": b}).min_loss_scale) for b in bounds
+    ]
     assigned = pc.DeepSpeedBF16Config()
     assigned.enabled = True
     out["bf16_assigned"] = assigned.enabled

@@ -49,6 +49,7 @@ from typing import Any
 
 import torch
 
+from zeroshard.config.blocks import FP16Config
 from zeroshard.config.errors import Problems, show
 from zeroshard.config.schema import ZeroshardConfig
 from zeroshard.config.scope import NO_EFFECT
@@ -56,7 +57,26 @@ from zeroshard.config.scope_warnings import value_at
 from zeroshard.lr_schedules import build_scheduler
 from zeroshard.optim_factory import build_optimizer
 
-__all__ = ["check_config"]
+__all__ = ["check_config", "fp16_scale_problems"]
+
+
+def fp16_scale_problems(fp16: FP16Config) -> list[str]:
+    """DeepSpeed's rule for the ``fp16`` block: dynamic loss scaling (enabled, ``loss_scale`` 0) needs a
+    positive ``loss_scale_window`` and ``min_loss_scale``; a static scale, or fp16 off, leaves them unused."""
+    if not (fp16.enabled and fp16.loss_scale == 0):
+        return []
+    found = []
+    if fp16.loss_scale_window <= 0:
+        found.append(
+            f"fp16.loss_scale_window: {fp16.loss_scale_window} is not allowed; expected a value > 0 "
+            "with dynamic loss scaling (loss_scale 0)"
+        )
+    if fp16.min_loss_scale <= 0:
+        found.append(
+            f"fp16.min_loss_scale: {fp16.min_loss_scale:g} is not allowed; expected a value > 0 "
+            "with dynamic loss scaling (loss_scale 0)"
+        )
+    return found
 
 
 def _precision(cfg: ZeroshardConfig, problems: Problems) -> None:
@@ -66,17 +86,8 @@ def _precision(cfg: ZeroshardConfig, problems: Problems) -> None:
             "fp16.enabled and bf16.enabled are both true; enable one of them (DeepSpeed rejects this too)"
         )
     fp16 = cfg.fp16
-    if fp16.enabled and fp16.loss_scale == 0:
-        if fp16.loss_scale_window <= 0:
-            problems.add(
-                f"fp16.loss_scale_window: {fp16.loss_scale_window} is not allowed; expected a value > 0 "
-                f"with dynamic loss scaling (loss_scale 0)"
-            )
-        if fp16.min_loss_scale <= 0:
-            problems.add(
-                f"fp16.min_loss_scale: {fp16.min_loss_scale:g} is not allowed; expected a value > 0 "
-                f"with dynamic loss scaling (loss_scale 0)"
-            )
+    for problem in fp16_scale_problems(fp16):
+        problems.add(problem)
     needs_zero = (
         ("fp16.fp16_master_weights_and_grads", fp16.fp16_master_weights_and_grads),
         ("bf16.bf16_master_weights_and_grads", cfg.bf16.bf16_master_weights_and_grads),

@@ -11,7 +11,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from pydantic import model_validator
+
 from zeroshard.config.blocks import BF16Config, FP16Config
+from zeroshard.config.checks import fp16_scale_problems
 from zeroshard.deepspeed import surface
 from zeroshard.deepspeed.runtime._models import MUTABLE, DeepSpeedModel
 
@@ -25,9 +28,18 @@ class DeepSpeedBF16Config(DeepSpeedModel, BF16Config):
 
 
 class DeepSpeedFP16Config(DeepSpeedModel, FP16Config):
-    """The ``fp16`` block (zeroshard's, with DeepSpeed's constructor)."""
+    """The ``fp16`` block (zeroshard's, with DeepSpeed's constructor); like DeepSpeed's, it also refuses a
+    non-positive ``loss_scale_window`` or ``min_loss_scale`` under dynamic loss scaling (the rule the
+    whole config's check applies, ``fp16_scale_problems``)."""
 
     model_config = MUTABLE
+
+    @model_validator(mode="after")
+    def _dynamic_scale_bounds(self) -> DeepSpeedFP16Config:
+        problems = fp16_scale_problems(self)
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
 
     def initial_dynamic_scale(self) -> int:
         """The first dynamic loss scale, ``2 ** initial_scale_power``."""
