@@ -353,3 +353,17 @@ def test_a_per_group_list_is_checked_against_the_model_by_initialize(tmp_path: P
     config["scheduler"]["params"]["warmup_max_lr"] = [1e-3, "x"]
     path.write_text(json.dumps(config))
     assert "scheduler.params.warmup_max_lr[1]: expected a number" in (_check_verdict(path) or "")
+    # OneCycle's bounds take one value per group too (DeepSpeed documents and applies them so).
+    config["scheduler"] = {
+        "type": "OneCycle",
+        "params": {"cycle_min_lr": [1e-4, 2e-4], "cycle_max_lr": [1e-3, 2e-3], "cycle_min_mom": [0.8, 0.85]},
+    }
+    path.write_text(json.dumps(config))
+    assert _check_verdict(path) is None
+    groups = [{"params": list(two_groups[0].parameters())}, {"params": list(two_groups[1].parameters())}]
+    engine, optimizer, _, _ = zeroshard.initialize(
+        model=two_groups, model_parameters=groups, config=str(path), dist_init_required=False
+    )
+    assert [group["lr"] for group in optimizer.param_groups] == [1e-4, 2e-4]
+    assert [group["betas"][0] for group in optimizer.param_groups] == [0.8, 0.85]
+    engine.destroy()

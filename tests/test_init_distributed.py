@@ -100,10 +100,10 @@ def test_a_script_that_never_destroys_its_group_exits_cleanly(tmp_path: Path) ->
 
 
 def test_dist_init_required_false_needs_a_group(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``dist_init_required=False`` promises a joined group. Where a launcher started several processes and
-    none is joined, every entry point refuses (a ``UsageError``, also DeepSpeed's ``AssertionError``) instead of
-    letting each process train alone as world size 1; DeepSpeed's ``init_distributed`` refuses it always.
-    One process without a launcher still trains through zeroshard's own ``initialize``."""
+    """``dist_init_required=False`` promises a joined group. Where a launcher started several processes
+    and none is joined, every entry point refuses (a ``UsageError``, also DeepSpeed's ``AssertionError``)
+    instead of letting each process train alone as world size 1; DeepSpeed's ``init_distributed`` refuses
+    it always. One process without a launcher still trains through zeroshard's own ``initialize``."""
     assert not dist.is_initialized()
     for name in LAUNCHER:
         monkeypatch.delenv(name, raising=False)

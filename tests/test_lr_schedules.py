@@ -8,6 +8,7 @@ k-1 after the k-th ``step()``.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from collections.abc import Callable
@@ -293,6 +294,52 @@ def test_one_cycle_lr_and_momentum(overrides: dict[str, Any]) -> None:
     assert betas == [[(mom, 0.99), (mom, 0.99)] for _, mom in expected]
 
 
+def test_one_cycle_per_group_values_get_mom_and_a_rising_only_cycle() -> None:
+    """One value per param group for the cycle's lr and momentum bounds, each group on its own DeepSpeed
+    curve; ``get_mom()`` as DeepSpeed's (the formula also at -1); ``cycle_second_step_size`` 0."""
+    per_group = {"cycle_min_lr": [0.01, 0.02], "cycle_max_lr": [0.1, 0.3]}
+    per_group |= {"cycle_min_mom": [0.85, 0.8], "cycle_max_mom": [0.95, 0.9]}
+    config = _ONE_CYCLE | per_group
+    optimizer = _optimizer((0.5, 0.5))
+    scheduler = build_scheduler("OneCycle", config, optimizer)
+    assert isinstance(scheduler, OneCycle)
+    each = [{**config, **{key: value[g] for key, value in per_group.items()}} for g in range(2)]
+    for i in range(-1, STEPS):
+        if i >= 0:
+            optimizer.step()
+            scheduler.step()
+        expected = [_ds_one_cycle(i, c) for c in each]
+        assert [g["lr"] for g in optimizer.param_groups] == [lr for lr, _ in expected]
+        assert [g["betas"] for g in optimizer.param_groups] == [(mom, 0.99) for _, mom in expected]
+        # Before the first step DeepSpeed's get_mom() evaluates the cycle at batch 0 (scale 0: max_mom),
+        # while the constructor has set min_mom.
+        moms = [c["cycle_max_mom"] for c in each] if i < 0 else [mom for _, mom in expected]
+        assert scheduler.get_mom() == [(mom, 0.99) for mom in moms]
+    rising = build_scheduler("OneCycle", {**_ONE_CYCLE, "cycle_second_step_size": 0}, _optimizer())
+    assert isinstance(rising, OneCycle) and rising.step_ratio == 1.0
+    lrs = [lr for lr, _ in _lr_sequence(rising, 8)]
+    # It rises over cycle_first_step_size (7) iterations; there is no falling half.
+    assert lrs[0] == pytest.approx(0.01) and all(b > a for a, b in itertools.pairwise(lrs[:7]))
+
+
+def test_warmup_cosine_lr_ratio_and_an_unknown_warmup_type(caplog: pytest.LogCaptureFixture) -> None:
+    """``get_lr_ratio()`` is the factor on the groups' initial lrs (0 before the first step); a warmup_type
+    other than "log" or "linear" warns and warms up as "log", as DeepSpeed does."""
+    params = {"total_num_steps": 24, "warmup_num_steps": 7, "warmup_min_ratio": 0.1}
+    with caplog.at_level(logging.WARNING, logger="zeroshard.lr_schedules"):
+        odd = build_scheduler("WarmupCosineLR", params | {"warmup_type": "cosine"}, _optimizer((0.1, 0.3)))
+    assert "warmup_type 'cosine' is not 'log' or 'linear': using 'log'" in caplog.text
+    plain = build_scheduler("WarmupCosineLR", params, _optimizer((0.1, 0.3)))
+    assert isinstance(odd, WarmupCosineLR) and isinstance(plain, WarmupCosineLR)
+    assert odd.get_lr_ratio() == 0.0
+    assert _lr_sequence(odd) == _lr_sequence(plain)
+    assert odd.get_lr_ratio() == plain.get_lr_ratio() > 0
+    assert [g["lr"] for g in odd.optimizer.param_groups] == [
+        0.1 * odd.get_lr_ratio(),
+        0.3 * odd.get_lr_ratio(),
+    ]
+
+
 def test_one_cycle_defaults_and_no_decay() -> None:
     scheduler = build_scheduler(
         "OneCycle", {"cycle_min_lr": 0.01, "cycle_max_lr": 0.1, "cycle_first_step_size": 4}, _optimizer()
@@ -475,9 +522,15 @@ def test_torch_scheduler_by_name(
         ("WarmupLR", {"warmup_num_steps": 0}, ValueError, ["scheduler.params.warmup_num_steps", ">= 1"]),
         (
             "WarmupLR",
-            {"warmup_type": "cosine"},
+            {"warmup_type": 3},
             ValueError,
-            ["scheduler.params.warmup_type", "'log'", "'linear'", "'cosine'"],
+            ["scheduler.params.warmup_type", "'log'", "'linear'", "3"],
+        ),
+        (
+            "WarmupLR",
+            {"warmup_num_steps": None},
+            ValueError,
+            ["scheduler.params.warmup_num_steps", "integer"],
         ),
         ("WarmupLR", {"warmup_max_lr": "auto"}, TypeError, ["scheduler.params.warmup_max_lr", "number"]),
         (
@@ -488,9 +541,15 @@ def test_torch_scheduler_by_name(
         ),
         (
             "OneCycle",
-            {"cycle_min_lr": 0.1, "cycle_max_lr": [0.2, 0.3]},
+            {"cycle_min_lr": 0.1, "cycle_max_lr": [0.2, 0.3, 0.4]},
+            ValueError,
+            ["scheduler.params.cycle_max_lr", "2 values"],
+        ),
+        (
+            "OneCycle",
+            {"cycle_min_lr": 0.1, "cycle_max_lr": 1, "cycle_min_mom": ["a", 0.8]},
             TypeError,
-            ["scheduler.params.cycle_max_lr"],
+            ["scheduler.params.cycle_min_mom[0]"],
         ),
         (
             "OneCycle",
@@ -502,7 +561,7 @@ def test_torch_scheduler_by_name(
             "OneCycle",
             {"cycle_min_lr": 0.1, "cycle_max_lr": 1, "cycle_second_step_size": -1},
             ValueError,
-            ["scheduler.params.cycle_second_step_size", "> 0"],
+            ["scheduler.params.cycle_second_step_size", ">= 0"],
         ),
         (
             "LRRangeTest",

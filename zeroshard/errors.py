@@ -18,7 +18,8 @@ Where each is raised (DeepSpeed 0.19.8's type in brackets):
 - :class:`UsageError` (``RuntimeError``) [``AssertionError``]: ``engine.no_sync()`` at ZeRO stage 2 or 3,
   entered again inside itself, or ``engine.step()`` inside it; ``engine.scale``, ``backward`` or ``step``
   without an optimizer.
-- :class:`ArgumentTypeError` (``TypeError``) [``ValueError``]: ``save_checkpoint(save_dir=None)``.
+- :class:`ArgumentTypeError` (``TypeError``) [``ValueError``]: ``save_checkpoint(save_dir=None)``; a
+  scheduler or optimizer parameter that is not a number (``warmup_num_steps=None``).
 - ``zeroshard.config.ConfigError`` (``ValueError``) [:class:`DeepSpeedConfigError`, ``AssertionError``]: every
   config problem (``config/errors.py``).
 """

@@ -269,6 +269,10 @@ _PER_GROUP_KEYS = (
     "max_lr",
     "base_momentum",
     "max_momentum",
+    "cycle_min_lr",
+    "cycle_max_lr",
+    "cycle_min_mom",
+    "cycle_max_mom",
 )
 """Schedule params that may hold one value per param group (DeepSpeed's and torch's schedules)."""
 

@@ -16,6 +16,8 @@ import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+from zeroshard.errors import ArgumentTypeError
+
 __all__ = [
     "check_bool",
     "check_choice",
@@ -149,10 +151,11 @@ def check_number(path: str, value: object) -> float:
     """Return ``value`` if it is a finite int or float (not a bool).
 
     Raises:
-        TypeError: Not a number. ValueError: NaN or infinite. Both name ``path``.
+        TypeError: Not a number (an ``ArgumentTypeError``, also a ``ValueError``, as DeepSpeed raises).
+        ValueError: NaN or infinite. Both name ``path``.
     """
     if not is_number(value):
-        raise TypeError(f"{path}: expected a number, got {value!r} ({type(value).__name__})")
+        raise ArgumentTypeError(f"{path}: expected a number, got {value!r} ({type(value).__name__})")
     if isinstance(value, float) and not math.isfinite(value):
         raise ValueError(f"{path}: {value!r} is not allowed; expected a finite number")
     return value  # type: ignore[return-value]
@@ -162,10 +165,11 @@ def check_int(path: str, value: object, minimum: int | None = None) -> int:
     """Return ``value`` if it is an int (not a bool) and at least ``minimum``.
 
     Raises:
-        TypeError: Not an int. ValueError: Below ``minimum``. Both name ``path``.
+        TypeError: Not an int (an ``ArgumentTypeError``, also a ``ValueError``, as DeepSpeed raises).
+        ValueError: Below ``minimum``. Both name ``path``.
     """
     if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{path}: expected an integer, got {value!r} ({type(value).__name__})")
+        raise ArgumentTypeError(f"{path}: expected an integer, got {value!r} ({type(value).__name__})")
     if minimum is not None and value < minimum:
         raise ValueError(f"{path}: expected an integer >= {minimum}, got {value}")
     return value

@@ -85,6 +85,14 @@ def _positive(key: str, value: object) -> float:
     return number
 
 
+def _non_negative(key: str, value: object) -> float:
+    """Return ``value`` as a float if it is a number >= 0; raise naming ``scheduler.params.<key>``."""
+    number = float(check_number(f"{_SECTION}.{key}", value))
+    if number < 0:
+        raise ValueError(f"{_SECTION}.{key}: expected a number >= 0, got {value!r}")
+    return number
+
+
 def _per_group(key: str, value: object, groups: int) -> list[float]:
     """Return ``value`` as one number per param group (a number is repeated)."""
     if isinstance(value, list | tuple):

@@ -14,7 +14,7 @@ from zeroshard.config.params import (
     check_int,
     check_number,
 )
-from zeroshard.lr_schedules.base import _IterationSchedule, _per_group, _positive
+from zeroshard.lr_schedules.base import _IterationSchedule, _non_negative, _per_group, _positive
 
 log = logging.getLogger(__name__)
 
@@ -68,14 +68,16 @@ class OneCycle(_IterationSchedule):
     As in DeepSpeed, construction sets every group's lr to ``cycle_min_lr`` and, when
     ``cycle_momentum``, its ``betas`` to ``(cycle_min_mom, 0.99)``; momentum cycles only for
     optimizers with ``betas`` (others log a warning and keep their momentum), and **beta2 is set
-    to 0.99** whatever it was.
+    to 0.99** whatever it was. ``cycle_min_lr``, ``cycle_max_lr``, ``cycle_min_mom`` and
+    ``cycle_max_mom`` take one number or one per param group; ``cycle_second_step_size`` may be 0
+    (the cycle only rises). ``get_mom()`` is each group's ``betas`` for the current iteration.
     """
 
     def __init__(
         self,
         optimizer: Optimizer,
-        cycle_min_lr: float,
-        cycle_max_lr: float,
+        cycle_min_lr: float | Sequence[float],
+        cycle_max_lr: float | Sequence[float],
         decay_lr_rate: float = 0.0,
         cycle_first_step_size: float = 2000,
         cycle_second_step_size: float | None = None,
@@ -83,8 +85,8 @@ class OneCycle(_IterationSchedule):
         cycle_second_stair_count: int | None = None,
         decay_step_size: int = 0,
         cycle_momentum: bool = True,
-        cycle_min_mom: float = 0.8,
-        cycle_max_mom: float = 0.9,
+        cycle_min_mom: float | Sequence[float] = 0.8,
+        cycle_max_mom: float | Sequence[float] = 0.9,
         decay_mom_rate: float = 0.0,
         last_batch_iteration: int = -1,
     ) -> None:
@@ -93,7 +95,7 @@ class OneCycle(_IterationSchedule):
         self.second_step_size = (
             self.first_step_size
             if cycle_second_step_size is None
-            else _positive("cycle_second_step_size", cycle_second_step_size)
+            else _non_negative("cycle_second_step_size", cycle_second_step_size)
         )
         self.total_size = self.first_step_size + self.second_step_size
         self.step_ratio = self.first_step_size / self.total_size
@@ -105,15 +107,15 @@ class OneCycle(_IterationSchedule):
         )
         self.decay_step_size = check_number(f"{_SECTION}.decay_step_size", decay_step_size)
         groups = len(optimizer.param_groups)
-        self.min_lrs = [check_number(f"{_SECTION}.cycle_min_lr", cycle_min_lr)] * groups
-        self.max_lrs = [check_number(f"{_SECTION}.cycle_max_lr", cycle_max_lr)] * groups
+        self.min_lrs = _per_group("cycle_min_lr", cycle_min_lr, groups)
+        self.max_lrs = _per_group("cycle_max_lr", cycle_max_lr, groups)
         self.decay_lr_rate = check_number(f"{_SECTION}.decay_lr_rate", decay_lr_rate)
         self.decay_mom_rate = check_number(f"{_SECTION}.decay_mom_rate", decay_mom_rate)
         no_decay = math.isclose(self.decay_step_size, 0)
         self.skip_lr_decay = no_decay or math.isclose(self.decay_lr_rate, 0)
         self.skip_mom_decay = no_decay or math.isclose(self.decay_mom_rate, 0)
-        self.min_mom = check_number(f"{_SECTION}.cycle_min_mom", cycle_min_mom)
-        self.max_mom = check_number(f"{_SECTION}.cycle_max_mom", cycle_max_mom)
+        self.min_moms = _per_group("cycle_min_mom", cycle_min_mom, groups)
+        self.max_moms = _per_group("cycle_max_mom", cycle_max_mom, groups)
         self.cycle_momentum = check_bool(f"{_SECTION}.cycle_momentum", cycle_momentum)
         if self.cycle_momentum and "betas" not in optimizer.defaults:
             log.warning(
@@ -129,10 +131,17 @@ class OneCycle(_IterationSchedule):
     def get_lr(self) -> list[float | Tensor]:
         """Return the lr of each group at :attr:`last_batch_iteration`; also set its momentum."""
         if self.cycle_momentum:
-            beta1 = self.momentum_at(self.last_batch_iteration)
-            for group in self.optimizer.param_groups:
+            momenta = self.momenta_at(self.last_batch_iteration)
+            for group, beta1 in zip(self.optimizer.param_groups, momenta, strict=True):
                 group["betas"] = (beta1, 0.99)
         return super().get_lr()
+
+    def get_mom(self) -> list[tuple[float, float]] | None:
+        """DeepSpeed's ``get_mom``: each group's ``(beta1, 0.99)`` at :attr:`last_batch_iteration` by the
+        cycle's formula (at -1 the cycle's start, ``cycle_max_mom``), None without ``cycle_momentum``."""
+        if not self.cycle_momentum:
+            return None
+        return [(beta1, 0.99) for beta1 in self._momenta(self.last_batch_iteration)]
 
     def lrs_at(self, iteration: int) -> list[float]:
         """Return the lr of each param group at ``iteration``."""
@@ -144,17 +153,20 @@ class OneCycle(_IterationSchedule):
         factor = 1 + self.decay_lr_rate * ((iteration - self.total_size + 1) / self.decay_step_size)
         return [low / factor for low in self.min_lrs]
 
-    def momentum_at(self, iteration: int) -> float:
-        """Return beta1 at ``iteration`` (``cycle_min_mom`` at -1, as DeepSpeed's constructor sets)."""
-        if iteration < 0:
-            return self.min_mom
+    def momenta_at(self, iteration: int) -> list[float]:
+        """Return each group's beta1 at ``iteration`` (``cycle_min_mom`` at -1, as DeepSpeed's constructor
+        sets)."""
+        return list(self.min_moms) if iteration < 0 else self._momenta(iteration)
+
+    def _momenta(self, iteration: int) -> list[float]:
         if iteration < self.total_size:
-            return self.max_mom - (self.max_mom - self.min_mom) * self._scale(iteration)
+            scale = self._scale(iteration)
+            bounds = zip(self.min_moms, self.max_moms, strict=True)
+            return [high - (high - low) * scale for low, high in bounds]
         if self.skip_mom_decay:
-            return self.max_mom
-        return self.max_mom * (
-            1 + self.decay_mom_rate * ((iteration - self.total_size + 1) / self.decay_step_size)
-        )
+            return list(self.max_moms)
+        factor = 1 + self.decay_mom_rate * ((iteration - self.total_size + 1) / self.decay_step_size)
+        return [high * factor for high in self.max_moms]
 
     def _scale(self, iteration: int) -> float:
         """Return the cycle position scale in [0, 1] for ``iteration`` (< ``total_size``)."""

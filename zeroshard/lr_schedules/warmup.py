@@ -33,8 +33,7 @@ class WarmupLR(_IterationSchedule):
         warmup_max_lr: Peak lr, one number or one per group; None (default) takes each group's
             current lr, as DeepSpeed does.
         warmup_num_steps: Warmup length, a positive int.
-        warmup_type: "log" or "linear". DeepSpeed falls back to "log" for other values with a
-            warning; zeroshard raises instead.
+        warmup_type: "log" or "linear"; any other value warns and uses "log", as DeepSpeed does.
         last_batch_iteration: Iteration to resume from; -1 starts the schedule.
     """
 
@@ -56,7 +55,7 @@ class WarmupLR(_IterationSchedule):
         self.delta_lrs = [high - low for high, low in zip(self.max_lrs, self.min_lrs, strict=True)]
         check_int(f"{_SECTION}.warmup_num_steps", warmup_num_steps, minimum=1)
         self.warmup_num_steps = max(2, warmup_num_steps)
-        self.warmup_type = check_choice(f"{_SECTION}.warmup_type", warmup_type, ("log", "linear"))
+        self.warmup_type = _warmup_type(warmup_type)
         self.inverse_log_warm_up = 1.0 / math.log(self.warmup_num_steps)
         super().__init__(optimizer, last_batch_iteration)
 
@@ -132,7 +131,7 @@ class WarmupCosineLR(_IterationSchedule):
         self.warmup_min_ratio = check_number(f"{_SECTION}.warmup_min_ratio", warmup_min_ratio)
         self.cos_min_ratio = check_number(f"{_SECTION}.cos_min_ratio", cos_min_ratio)
         self.warmup_num_steps = max(2, warmup_num_steps)
-        self.warmup_type = check_choice(f"{_SECTION}.warmup_type", warmup_type, ("log", "linear"))
+        self.warmup_type = _warmup_type(warmup_type)
         self.inverse_log_warm_up = 1.0 / math.log(self.warmup_num_steps)
         if total_num_steps < self.warmup_num_steps:
             log.warning(
@@ -148,6 +147,11 @@ class WarmupCosineLR(_IterationSchedule):
         ratio = self._ratio(iteration)
         return [lr * ratio for lr in self.org_lrs]
 
+    def get_lr_ratio(self) -> float:
+        """DeepSpeed's ``get_lr_ratio``: the factor on each group's initial lr at
+        :attr:`last_batch_iteration` (0 before the first step)."""
+        return 0.0 if self.last_batch_iteration < 0 else self._ratio(self.last_batch_iteration)
+
     def _ratio(self, iteration: int) -> float:
         if iteration < self.warmup_num_steps:
             return self.warmup_min_ratio + _warmup_fraction(self, iteration) * (1.0 - self.warmup_min_ratio)
@@ -156,6 +160,17 @@ class WarmupCosineLR(_IterationSchedule):
         progress = min(1.0, done / span)
         cosine = (1 + math.cos(math.pi * progress)) / 2
         return max(0.0, self.cos_min_ratio + (1.0 - self.cos_min_ratio) * cosine)
+
+
+def _warmup_type(value: object) -> str:
+    """``warmup_type`` as the schedules use it: "log" or "linear"; another string warns and gives "log",
+    as DeepSpeed does."""
+    if value in ("log", "linear"):
+        return str(value)
+    if not isinstance(value, str):
+        check_choice(f"{_SECTION}.warmup_type", value, ("log", "linear"))  # raises, naming the choices
+    log.warning("%s.warmup_type %r is not 'log' or 'linear': using 'log', as DeepSpeed does", _SECTION, value)
+    return "log"
 
 
 def _warmup_fraction(schedule: WarmupLR | WarmupCosineLR, iteration: int) -> float:
