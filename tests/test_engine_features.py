@@ -216,15 +216,25 @@ class Routed(nn.Module):
 
 def leaf_cases(rank: int, world_size: int) -> list[list[int]]:
     """Stage 3 with the experts block a leaf: one unit, gathered whole, so ranks may route differently;
-    through the top-level name and through ``deepspeed.utils``'s."""
+    through the top-level name, through ``deepspeed.utils``'s, and through the config's
+    ``zero_optimization.leaf_module`` (which marks the module, as DeepSpeed's engine does)."""
     routes = []
-    for mark in (zeroshard.set_z3_leaf_modules, zeroshard.deepspeed.utils.set_z3_leaf_modules):
+    qualified = f"{Experts.__module__}.{Experts.__qualname__}"
+    marks = (zeroshard.set_z3_leaf_modules, zeroshard.deepspeed.utils.set_z3_leaf_modules, None)
+    for mark in marks:
         torch.manual_seed(0)
         model = Routed()
         ref = copy.deepcopy(model)
         ref_opt = _sgd(ref.parameters())
-        mark(model, [Experts])
-        engine, *_ = zeroshard.initialize(model=model, optimizer=_sgd(model.parameters()), config=_config(3))
+        config = _config(3)
+        if mark is None:
+            config["zero_optimization"]["leaf_module"] = {"classes": [qualified]}
+        else:
+            mark(model, [Experts])
+        engine, *_ = zeroshard.initialize(model=model, optimizer=_sgd(model.parameters()), config=config)
+        if mark is None:
+            assert zeroshard.deepspeed.utils.z3_leaf_module(model.moe)
+            assert not zeroshard.deepspeed.utils.z3_leaf_module(model)
         units = [
             sorted(n for n, p in model.named_parameters() if any(p is q for q in u.params))
             for u in engine.units
@@ -239,7 +249,7 @@ def leaf_cases(rank: int, world_size: int) -> list[list[int]]:
             (sum(ref(x) for x in xs) / world_size).backward()
             ref_opt.step()
             ref_opt.zero_grad()
-            _assert_same(engine, model, ref, f"leaf {mark.__module__} step {step}")
+            _assert_same(engine, model, ref, f"leaf {getattr(mark, '__module__', 'config')} step {step}")
         routes.append(chosen)
     return routes
 

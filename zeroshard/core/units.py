@@ -30,7 +30,7 @@ from zeroshard.core.comm import Comm
 from zeroshard.core.flat_param import FlatUnit, unique_units
 from zeroshard.core.partitioned import full_numel, materialize
 from zeroshard.core.precision import DtypePolicy
-from zeroshard.core.stage3.module_marks import external_parameters, is_leaf, leaf_classes
+from zeroshard.core.stage3.module_marks import external_parameters, is_leaf, leaf_classes, set_leaf
 from zeroshard.core.stages import STAGES, StagePlan
 
 logger = logging.getLogger(__name__)
@@ -230,17 +230,22 @@ def granularity_leaves(model: nn.Module, threshold: int, *, warn: bool = True) -
     return leaves
 
 
-def _is_leaf(name: str, module: nn.Module, model: nn.Module, rules: UnitRules) -> bool:
-    cls = type(module)
-    qualified = f"{cls.__module__}.{cls.__qualname__}"
-    return (
-        isinstance(module, leaf_classes(model))
-        or is_leaf(module)
-        or qualified in rules.leaf_class_names
-        or cls.__name__ in rules.leaf_class_names
-        or (bool(name) and name in rules.leaf_names)
-        or any(name.endswith(sfx) for sfx in rules.leaf_name_suffixes if name)
-    )
+def _mark_configured_leaves(model: nn.Module, rules: UnitRules) -> None:
+    """Mark every module ``zero_optimization.leaf_module`` names (by class, qualified class, name or name
+    suffix) a leaf, as DeepSpeed's engine does at stage 3, so that ``z3_leaf_module`` reports it too."""
+    for name, module in model.named_modules():
+        cls = type(module)
+        if (
+            f"{cls.__module__}.{cls.__qualname__}" in rules.leaf_class_names
+            or cls.__name__ in rules.leaf_class_names
+            or (bool(name) and name in rules.leaf_names)
+            or any(name.endswith(sfx) for sfx in rules.leaf_name_suffixes if name)
+        ):
+            set_leaf(module, True)
+
+
+def _is_leaf(module: nn.Module, model: nn.Module) -> bool:
+    return isinstance(module, leaf_classes(model)) or is_leaf(module)
 
 
 def _stage3_units(model: nn.Module, rules: UnitRules, plan: StagePlan, ctx: _Ctx) -> ModelUnits:
@@ -249,10 +254,11 @@ def _stage3_units(model: nn.Module, rules: UnitRules, plan: StagePlan, ctx: _Ctx
     uses: list[tuple[nn.Module, list[nn.Parameter]]] = []
     leaves: list[str] = []
     by_granularity = granularity_leaves(model, rules.module_granularity_threshold, warn=ctx.comm.rank == 0)
+    _mark_configured_leaves(model, rules)
     for name, module in model.named_modules():
         if any(leaf == "" or name.startswith(leaf + ".") for leaf in leaves):
             continue  # inside a leaf (the root itself may be one)
-        leaf = id(module) in by_granularity or _is_leaf(name, module, model, rules)
+        leaf = id(module) in by_granularity or _is_leaf(module, model)
         if leaf:
             leaves.append(name)
         named = [(n, p) for n, p in module.named_parameters(prefix=name, recurse=leaf) if p.requires_grad]
