@@ -221,3 +221,14 @@ def test_shared_module_under_reentrant_checkpointing() -> None:
     cases.append({**shared, "kind": "shared-only", "variant": True, "stage": 0, "raises": "second gradient"})
     for report in run_distributed(shared_worker, WORLD, cases, timeout=200):
         assert [line.endswith("raised") for line in report] == [bool(c.get("raises")) for c in cases]
+
+
+def test_configure_refuses_contiguous_checkpointing_without_num_checkpoints() -> None:
+    """DeepSpeed asserts that contiguous checkpointing names how many layers it checkpoints; so does
+    zeroshard (an ``ArgumentError``, also an ``AssertionError``), though it keeps no contiguous buffers."""
+    with pytest.raises(ValueError, match="needs num_checkpoints") as info:
+        deepspeed_checkpointing.configure(None, contiguous_checkpointing=True)
+    assert isinstance(info.value, AssertionError)
+    deepspeed_checkpointing.configure(None, contiguous_checkpointing=True, num_checkpoints=4)
+    assert deepspeed_checkpointing.is_configured()
+    deepspeed_checkpointing.reset()

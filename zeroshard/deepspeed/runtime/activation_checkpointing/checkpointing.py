@@ -23,6 +23,7 @@ import torch
 from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
 from zeroshard.deepspeed import surface
+from zeroshard.errors import ArgumentError
 
 __all__ = [
     "checkpoint",
@@ -74,8 +75,18 @@ def configure(
     synchronize: bool | None = None,
     profile: bool | None = None,
 ) -> None:
-    """Mark checkpointing configured; options that change nothing here are named in one log line."""
+    """Mark checkpointing configured; options that change nothing here are named in one log line.
+
+    Raises:
+        ArgumentError: ``contiguous_checkpointing`` without ``num_checkpoints`` (also DeepSpeed's
+            ``AssertionError``).
+    """
     global _configured
+    if contiguous_checkpointing and num_checkpoints is None:
+        raise ArgumentError(
+            "deepspeed.checkpointing.configure(contiguous_checkpointing=True) needs num_checkpoints (the "
+            "number of checkpointed layers), as in DeepSpeed"
+        )
     _configured = True
     inert = {
         "contiguous_checkpointing": contiguous_checkpointing,
