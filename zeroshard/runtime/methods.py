@@ -36,6 +36,7 @@ from zeroshard.runtime.surface import DeepSpeedSurface
 from zeroshard.zero import GatheredParameters
 
 if TYPE_CHECKING:
+    from zeroshard.config import ZeroshardConfig
     from zeroshard.core.stage3.gatherer import ParameterGatherer
     from zeroshard.telemetry import Telemetry
 
@@ -55,6 +56,17 @@ logger = logging.getLogger(__name__)
 
 # DeepSpeed's names of the optimizers it builds itself: a config's "type" naming one is lower-cased.
 _DEEPSPEED_OPTIMIZERS = ("adagrad", "adam", "adamw", "lamb", "muadam", "muadamw", "musgd", "lion", "muon")
+
+
+def config_optimizer_name(config: ZeroshardConfig) -> str | None:
+    """DeepSpeed's ``optimizer_name`` of a config: its ``optimizer.type``, lower-cased where it names an
+    optimizer DeepSpeed builds itself ("adamw", "adam", "lamb", ...); None without an optimizer block."""
+    if config.optimizer is None:
+        return None
+    name = config.optimizer.type
+    return name.lower() if name.lower() in _DEEPSPEED_OPTIMIZERS else name
+
+
 # The frozen parameters a DeepSpeed module checkpoint carries separately (ZeRO stages 2 and 3).
 _FROZEN_FRAGMENTS = "frozen_param_fragments"
 
@@ -283,8 +295,7 @@ class DeepSpeedMethods(DeepSpeedSurface):
         optimizer given to ``initialize()``, else None. For an optimizer given as a callable it is the
         class of the optimizer the callable built (DeepSpeed names the callable's class)."""
         if self.config.optimizer is not None:
-            name = self.config.optimizer.type
-            return name.lower() if name.lower() in _DEEPSPEED_OPTIMIZERS else name
+            return config_optimizer_name(self.config)
         return type(self.optimizer).__name__ if self.optimizer is not None else None
 
     def _per_group(self, key: str) -> list[Any]:

@@ -16,11 +16,9 @@ from zeroshard.deepspeed.runtime.precision_config import (
 )
 from zeroshard.deepspeed.runtime.zero.config import DeepSpeedZeroConfig, get_zero_config
 from zeroshard.errors import DeepSpeedConfigError
+from zeroshard.runtime.methods import config_optimizer_name
 
 __all__ = ["DeepSpeedConfig", "DeepSpeedConfigError"]
-
-# DeepSpeed's names of the optimizers it builds itself: its optimizer_name lower-cases a "type" naming one.
-_DEEPSPEED_OPTIMIZERS = ("adagrad", "adam", "adamw", "lamb", "muadam", "muadamw", "musgd", "lion", "muon")
 
 
 class DeepSpeedConfig:
@@ -86,10 +84,7 @@ class DeepSpeedConfig:
 
     @property
     def optimizer_name(self) -> str | None:
-        if self.config.optimizer is None:
-            return None
-        name = self.config.optimizer.type
-        return name.lower() if name.lower() in _DEEPSPEED_OPTIMIZERS else name
+        return config_optimizer_name(self.config)
 
     @property
     def optimizer_params(self) -> dict[str, Any] | None:
