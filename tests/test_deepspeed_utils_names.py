@@ -612,6 +612,13 @@ def config_and_monitor_cases(root: str) -> dict[str, Any]:
     return out
 
 
+def numa_cases(root: str) -> dict[str, Any]:
+    """The core-list syntax of ``--bind_core_list``."""
+    numa = importlib.import_module(f"{root}.utils.numa")
+    lists = ["0,2-4,6,8-9", "7", " 5", "3-3", "0,2-6,5-9", "8,2-6", "2-6,1", "a", "1-2-3", "5-3", "-1", "1-x"]
+    return {"parse_range_list": [_attempt(lambda text=text: numa.parse_range_list(text)) for text in lists]}
+
+
 def local_cases(root: str) -> dict[str, Any]:
     """Every single-process case against DeepSpeed module tree ``root`` (``deepspeed`` or
     ``zeroshard.deepspeed``)."""
@@ -628,6 +635,7 @@ def local_cases(root: str) -> dict[str, Any]:
                 "config_utils": config_utils_cases(root),
                 "zero_config": zero_config_cases(root),
                 "config_and_monitors": config_and_monitor_cases(root),
+                "numa": numa_cases(root),
             }
         )
 
