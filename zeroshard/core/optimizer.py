@@ -36,6 +36,7 @@ from torch import nn
 
 from zeroshard.core.comm import Comm, Pending
 from zeroshard.core.flat_param import FlatUnit, OptimizerSlice
+from zeroshard.core.slice_norms import piece_norms, slices_by_unit
 from zeroshard.core.stages import StagePlan
 
 
@@ -189,9 +190,7 @@ class ShardedStep:
         self._masters_written = False  # run() by an offloaded step, which wrote the parameters itself
         # Where each unit's parameters start in the flat has_grad flags (units in order, one flag each).
         self._first_flag: dict[int, int] = {}
-        self._unit_slices: dict[int, list[OptimizerSlice]] = {}
-        for sl in self.slices:
-            self._unit_slices.setdefault(sl.unit.index, []).append(sl)
+        self._unit_slices = slices_by_unit(self.slices)
         offset = 0
         for unit in self.units:
             self._first_flag[unit.index] = offset
@@ -377,19 +376,6 @@ class ShardedStep:
             elements += unit.layout.padded
         for pending in inflight:
             pending.wait()
-
-
-def piece_norms(grad: torch.Tensor, slices: Iterable[OptimizerSlice]) -> torch.Tensor:
-    """The fp32 norm of each slice's piece of ``grad`` (its unit's gradient shard), in order, empty pieces
-    left out: a 1-D tensor where ``grad`` lives (the terms of ``ShardedStep``'s gradient norm)."""
-    norms = [
-        torch.linalg.vector_norm(
-            grad[sl.piece.shard_start : sl.piece.shard_start + sl.piece.numel], dtype=torch.float32
-        )
-        for sl in slices
-        if sl.piece.numel
-    ]
-    return torch.stack(norms) if norms else torch.zeros(0, dtype=torch.float32, device=grad.device)
 
 
 def clip_coefficient(grad_norm: float, clip: float) -> float:

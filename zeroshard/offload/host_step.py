@@ -40,7 +40,7 @@ import torch
 
 from zeroshard.core.copies import Copies, Copy
 from zeroshard.core.flat_param import FlatUnit, OptimizerSlice
-from zeroshard.core.optimizer import piece_norms
+from zeroshard.core.slice_norms import piece_norms, slices_by_unit
 from zeroshard.offload.host_shards import host_empty
 from zeroshard.offload.swapper import SubGroup, attach_slices, split_sub_groups
 
@@ -85,8 +85,7 @@ class HostStep:
     def bind(self, slices: Sequence[OptimizerSlice], optimizer: torch.optim.Optimizer) -> None:
         """Attach the optimizer's slices to their sub-groups (slices of parameters in no group stay out)."""
         self.optimizer = optimizer
-        for sl in slices:
-            self._unit_slices.setdefault(sl.unit.index, []).append(sl)
+        self._unit_slices = slices_by_unit(slices)
         attach_slices(self.groups, slices)
 
     # -- the backward --------------------------------------------------------------------------------
