@@ -606,6 +606,18 @@ def config_and_monitor_cases(root: str) -> dict[str, Any]:
         }
 
     out: dict[str, Any] = {"configs": [derived(c) for c in configs]}
+    batch_config = rc.DeepSpeedConfig({"train_batch_size": 32})
+
+    def batch(triad: tuple[int | None, ...]) -> Any:
+        names = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+        for name, value in zip(names, triad, strict=True):
+            setattr(batch_config, name, value)
+        batch_config._configure_train_batch_size()
+        return [getattr(batch_config, name) for name in names]
+
+    triads = [(32, 16, None), (32, None, 2), (None, 16, 2), (32, None, None), (None, 8, None)]
+    triads += [(33, 17, 2), (32, 18, 1), (None, None, 2), (32, 16, 2)]
+    out["batch"] = [_attempt(lambda t=t: batch(t)) for t in triads]
     defaults: Any = mc.DeepSpeedMonitorConfig()
     out["defaults"] = [defaults.enabled, defaults.tensorboard.job_name, defaults.wandb.project]
     out["get"] = mc.get_monitor_config({"csv_monitor": {"enabled": True}}).enabled

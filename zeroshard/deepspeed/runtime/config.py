@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from zeroshard.config import ZeroshardConfig, load_config
+from zeroshard.config.errors import Problems
+from zeroshard.config.resolve import TRIAD, resolve_batch
 from zeroshard.deepspeed import surface
 from zeroshard.deepspeed.comm import get_rank, get_world_size
 from zeroshard.deepspeed.monitor.config import DeepSpeedMonitorConfig, get_monitor_config
@@ -51,6 +53,24 @@ class DeepSpeedConfig:
                 f"DeepSpeedConfig has no attribute {name!r} in zeroshard: read the ds_config's keys "
                 "(cfg.<key>, cfg['<key>'])"
             ) from None
+
+    def _configure_train_batch_size(self) -> None:
+        """DeepSpeed's batch resolution over ``train_batch_size``, ``train_micro_batch_size_per_gpu`` and
+        ``gradient_accumulation_steps`` as they are set on this object now (None: not given), as
+        :func:`~zeroshard.config.load_config` resolves them: the missing ones inferred, the three checked
+        together for ``world_size``, and written back.
+
+        Raises:
+            ConfigError: the sizes do not add up, or too few are given (also DeepSpeed's ``AssertionError``).
+        """
+        given = {key: value for key in TRIAD if (value := getattr(self, key)) is not None}
+        problems = Problems()
+        sizes = resolve_batch(given, self.world_size, problems)
+        problems.raise_if_any("DeepSpeedConfig batch sizes")
+        if sizes is not None:
+            self.train_batch_size = sizes.train
+            self.train_micro_batch_size_per_gpu = sizes.micro
+            self.gradient_accumulation_steps = sizes.gas
 
     def __getitem__(self, key: str) -> Any:
         return self.config[key]

@@ -84,8 +84,8 @@ def configure(
     global _configured
     if contiguous_checkpointing and num_checkpoints is None:
         raise ArgumentError(
-            "deepspeed.checkpointing.configure(contiguous_checkpointing=True) needs num_checkpoints (the "
-            "number of checkpointed layers), as in DeepSpeed"
+            "deepspeed.checkpointing.configure(contiguous_checkpointing=True) needs num_checkpoints, the "
+            "number of layers checkpointed, as in DeepSpeed"
         )
     _configured = True
     inert = {
