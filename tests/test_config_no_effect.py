@@ -29,6 +29,10 @@ WARNS: list[tuple[dict[str, Any], tuple[str, ...]]] = [
     ({"sparse_gradients": True}, ("sparse_gradients: true", "dense")),
     ({"memory_breakdown": True}, ("memory_breakdown: true", "engine.memory_breakdown()")),
     (
+        {"zero_optimization": {"stage": 2, "ignore_unused_parameters": False}},
+        ("zero_optimization.ignore_unused_parameters: false", "skips a parameter no rank produced one for"),
+    ),
+    (
         {"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}, "zero_optimization": {"stage": 1}},
         ("fp16.fp16_master_weights_and_grads: true", "master weights", "in fp32"),
     ),

@@ -123,6 +123,12 @@ NO_EFFECT: tuple[tuple[str, Any, str], ...] = (
     ("bf16.bf16_master_weights_and_grads", True, _FP32_STATE),
     ("bf16.bf16_optimizer_states", True, _FP32_STATE),
     (
+        "zero_optimization.ignore_unused_parameters",
+        False,
+        "zeroshard does not check that every trained parameter got a gradient: the step skips a parameter "
+        "no rank produced one for, as torch's optimizers do",
+    ),
+    (
         "memory_breakdown",
         True,
         "zeroshard does not log allocator memory; the steps_per_print line and engine.memory_breakdown() "
