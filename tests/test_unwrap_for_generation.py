@@ -8,29 +8,18 @@ from typing import Any
 
 import pytest
 import torch
-from torch import nn
 
 from tests.distributed import run_distributed
+from tests.models import batch, make_model
 from zeroshard.deepspeed import initialize
 from zeroshard.deepspeed.runtime.zero import unwrap_model_for_generation
 
 pytestmark = pytest.mark.timeout(200)
 
 
-def _model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
-
-
-def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(10 * step + rank)
-    return torch.randn(2, 8, generator=g), torch.randn(2, 4, generator=g)
-
-
 def _train(engine: Any, steps: range, rank: int) -> None:
     for step in steps:
-        x, y = _batch(step, rank)
-        engine.backward(nn.functional.mse_loss(engine(x), y))
+        engine.backward(engine(*batch(step, 0, rank)))
         engine.step()
 
 
@@ -41,22 +30,22 @@ def _run(rank: int, stage: int, unwrap: bool) -> tuple[dict[str, torch.Tensor], 
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
         "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
     }
-    engine, *_ = initialize(model=_model(), config=config)
+    engine, *_ = initialize(model=make_model(0), config=config)
     _train(engine, range(2), rank)
     if unwrap:
-        probe = torch.randn(3, 8, generator=torch.Generator().manual_seed(99))
-        weights = engine.full_state_dict()
-        reference = _model()
-        reference.load_state_dict(weights)
+        probe = batch(99, 0, 0)
+        reference = make_model(0)
+        reference.load_state_dict(engine.full_state_dict())
+        whole = {n: tuple(p.shape) for n, p in reference.named_parameters()}
         with unwrap_model_for_generation(engine) as unwrapped:
             if unwrapped is not engine:
                 problems.append(f"stage {stage}: the block yields {type(unwrapped).__name__}, not the engine")
             shapes = {n: tuple(p.shape) for n, p in engine.module.named_parameters()}
-            if shapes != {n: tuple(w.shape) for n, w in weights.items()}:
+            if shapes != whole:
                 problems.append(f"stage {stage}: parameters inside the block: {shapes}")
             with torch.no_grad():
-                out = engine.module(probe)
-            if not torch.allclose(out, reference(probe).detach(), rtol=1e-6, atol=1e-7):
+                out = engine.module(*probe)
+            if not torch.allclose(out, reference(*probe).detach(), rtol=1e-6, atol=1e-7):
                 problems.append(f"stage {stage}: the block's forward differs from the whole model's")
     _train(engine, range(2, 4), rank)
     state = engine.full_state_dict()
@@ -74,7 +63,7 @@ def worker(rank: int, world_size: int) -> list[str]:
             if not torch.equal(value, unwrapped[name]):
                 problems.append(f"stage {stage} {name}: training after the block differs")
     with pytest.raises(TypeError, match=r"the engine deepspeed\.initialize returned"):
-        with unwrap_model_for_generation(_model()):
+        with unwrap_model_for_generation(make_model(0)):
             pass
     return problems
 

@@ -92,6 +92,10 @@ class FlatLayout:
             if lo < hi:
                 yield Piece(index=index, param_start=lo - offset, shard_start=lo - start, numel=hi - lo)
 
+    def piece(self, rank: int, index: int) -> Piece | None:
+        """Parameter ``index``'s part of ``rank``'s shard, or None where the shard holds none of it."""
+        return next((p for p in self.pieces(rank) if p.index == index), None)
+
     def owner_ranks(self, index: int) -> range:
         """Ranks whose shard holds at least one element of parameter ``index``."""
         offset, numel = self.offsets[index], self.numels[index]

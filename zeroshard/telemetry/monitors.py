@@ -24,9 +24,11 @@ __all__ = [
     "MonitorMaster",
     "TensorBoardMonitor",
     "WandbMonitor",
+    "as_events",
     "build_monitors",
     "check_available",
     "monitors_enabled",
+    "require_package",
 ]
 
 Event = tuple[str, float, int]
@@ -49,10 +51,11 @@ class TensorBoardMonitor:
         self.log_dir = log_dir
         self.writer = SummaryWriter(log_dir=log_dir)
 
-    def write_events(self, events: list[Event]) -> None:
+    def write_events(self, events: list[Event], flush: bool = True) -> None:
         for name, value, step in events:
             self.writer.add_scalar(name, value, step)
-        self.writer.flush()
+        if flush:
+            self.writer.flush()
 
     def close(self) -> None:
         self.writer.close()
@@ -115,9 +118,15 @@ class MonitorMaster:
         self.enabled = enabled
 
     def write_events(self, event_list: Iterable[tuple[str, Any, int]]) -> None:
-        events = [(str(name), float(value), int(x)) for name, value, x in event_list]
+        events = as_events(event_list)
         for monitor in self.monitors:
             monitor.write_events(events)
+
+
+def as_events(event_list: Iterable[tuple[str, Any, int]]) -> list[Event]:
+    """A script's ``(name, value, x)`` tuples as events: the value a float (a number or a one-element
+    tensor), ``x`` an int."""
+    return [(str(name), float(value), int(x)) for name, value, x in event_list]
 
 
 _EXTRAS = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb")}
@@ -132,12 +141,20 @@ def check_available(config: ZeroshardConfig) -> None:
     Raises:
         ImportError: Naming the config key that enabled the monitor and the pip command that installs it.
     """
-    for key, (module, extra) in _EXTRAS.items():
-        if getattr(config, key).enabled and importlib.util.find_spec(module) is None:
-            raise ImportError(
-                f"{key}.enabled is true in the config but the {module} package is not installed: "
-                f"pip install 'zeroshard[{extra}]' (or pip install {module}), or set {key}.enabled to false"
-            )
+    for key in _EXTRAS:
+        if getattr(config, key).enabled:
+            require_package(key, f"{key}.enabled is true in the config but ")
+
+
+def require_package(key: str, context: str = "") -> None:
+    """``ImportError`` naming the pip command when the package of the ``key`` monitor ("tensorboard",
+    "wandb") is not installed; ``context`` opens the message."""
+    module, extra = _EXTRAS[key]
+    if importlib.util.find_spec(module) is None:
+        raise ImportError(
+            f"{context}the {module} package is not installed: pip install 'zeroshard[{extra}]' (or pip "
+            f"install {module}), or set {key}.enabled to false"
+        )
 
 
 def monitors_enabled(config: ZeroshardConfig) -> bool:

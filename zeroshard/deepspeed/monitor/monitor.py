@@ -27,10 +27,6 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def _events(event_list: Iterable[tuple[str, Any, int]]) -> list[writers.Event]:
-    return [(str(name), float(value), int(x)) for name, value, x in event_list]
-
-
 class Monitor:
     """The base of DeepSpeed's monitors: ``monitor_config`` and ``write_events(event_list)``."""
 
@@ -63,10 +59,7 @@ class TensorBoardMonitor(Monitor):
 
     def write_events(self, event_list: Iterable[tuple[str, Any, int]], flush: bool = True) -> None:
         if self._writer is not None:
-            for name, value, x in _events(event_list):
-                self._writer.writer.add_scalar(name, value, x)
-            if flush:
-                self.flush()
+            self._writer.write_events(writers.as_events(event_list), flush=flush)
 
     def flush(self) -> None:
         if self._writer is not None:
@@ -94,7 +87,7 @@ class csvMonitor(Monitor):
 
     def write_events(self, event_list: Iterable[tuple[str, Any, int]]) -> None:
         if self._writer is not None:
-            events = _events(event_list)
+            events = writers.as_events(event_list)
             self._writer.write_events(events)
             for stem in (self._writer.path(name).stem for name, _, _ in events):
                 if stem not in self.filenames:
@@ -122,7 +115,7 @@ class WandbMonitor(Monitor):
 
     def write_events(self, event_list: Iterable[tuple[str, Any, int]]) -> None:
         if self._writer is not None:
-            self._writer.write_events(_events(event_list))
+            self._writer.write_events(writers.as_events(event_list))
 
 
 class MonitorMaster(writers.MonitorMaster):

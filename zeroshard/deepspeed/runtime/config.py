@@ -19,6 +19,7 @@ from zeroshard.deepspeed.runtime.precision_config import (
 from zeroshard.deepspeed.runtime.zero.config import DeepSpeedZeroConfig, get_zero_config
 from zeroshard.errors import DeepSpeedConfigError
 from zeroshard.runtime.methods import config_optimizer_name
+from zeroshard.runtime.query_table import QUERIES
 
 __all__ = ["DeepSpeedConfig", "DeepSpeedConfigError"]
 
@@ -106,20 +107,18 @@ class DeepSpeedConfig:
     def optimizer_name(self) -> str | None:
         return config_optimizer_name(self.config)
 
+    # As the engine's queries of the same names read them (runtime/query_table.py).
     @property
     def optimizer_params(self) -> dict[str, Any] | None:
-        block = self._param_dict.get("optimizer")
-        return None if block is None else block.get("params")
+        return QUERIES["optimizer_params"].read(self.config)  # type: ignore[no-any-return]
 
     @property
     def scheduler_name(self) -> str | None:
-        block = self._param_dict.get("scheduler")
-        return None if block is None else block.get("type")
+        return QUERIES["scheduler_name"].read(self.config)  # type: ignore[no-any-return]
 
     @property
     def scheduler_params(self) -> dict[str, Any] | None:
-        block = self._param_dict.get("scheduler")
-        return None if block is None else block.get("params")
+        return QUERIES["scheduler_params"].read(self.config)  # type: ignore[no-any-return]
 
 
 __getattr__ = surface.fallback(__name__)  # the DeepSpeed names not written here

@@ -130,10 +130,10 @@ def safe_set_full_grad(param: nn.Parameter, value: torch.Tensor) -> None:
         lo, hi = unit.param_range(index)
         whole[lo:hi].copy_(flat)
         return
-    for piece in unit.layout.pieces(unit.rank):
-        if piece.index == index:
-            span = slice(piece.param_start, piece.param_start + piece.numel)
-            unit.grad_shard[piece.shard_start : piece.shard_start + piece.numel].copy_(flat[span])
+    piece = unit.layout.piece(unit.rank, index)
+    if piece is not None:
+        span = slice(piece.param_start, piece.param_start + piece.numel)
+        unit.grad_shard[piece.shard_start : piece.shard_start + piece.numel].copy_(flat[span])
 
 
 def _whole_grad(unit: FlatUnit) -> torch.Tensor | None:
@@ -237,7 +237,7 @@ def _local(param: nn.Parameter, what: str) -> tuple[FlatUnit, int, TrainedParame
             f"{what}({unit.names[index]}): the local APIs read a ZeRO-3 parameter's shard, and this engine "
             f"runs ZeRO stage {unit.plan.stage}; use the safe_get_full_* / safe_set_full_* functions"
         )
-    piece = next((p for p in unit.layout.pieces(unit.rank) if p.index == index), None)
+    piece = unit.layout.piece(unit.rank, index)
     span = slice(0, 0) if piece is None else slice(piece.shard_start, piece.shard_start + piece.numel)
     return unit, index, trained, span
 
